@@ -1,0 +1,54 @@
+"""edgespec runtime: `edge.load()` → an Engine with `generate`, `stream` and `chat`.
+
+    import edge
+    engine = edge.load()                      # the embedded SmolLM2-135M-Instruct (exported on first use)
+    print(engine.generate("Name three rivers.", max_tokens=64).text)
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .engine import Chat, Chunk, Engine, EngineBusy, EngineError, GenerationParams, GenerationResult, Stats
+from .manifest import ModelDirError
+
+__all__ = ["load", "Engine", "Chat", "Chunk", "GenerationParams", "GenerationResult", "Stats", "EngineError",
+           "EngineBusy", "ModelDirError", "home", "default_model_dir"]
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def home() -> Path:
+    return Path(os.environ.get("EDGESPEC_HOME") or Path.home() / ".cache" / "edgespec")
+
+
+def default_model_dir() -> Path:
+    return home() / "models" / DEFAULT_MODEL_NAME
+
+
+def ensure_default_model(progress: bool = True) -> Path:
+    """The embedded default, exported into the cache on first use (the only place `edge` imports `export`)."""
+    from .manifest import load_manifest
+
+    d = default_model_dir()
+    try:
+        load_manifest(d, verify="size")
+        return d
+    except ModelDirError:
+        pass
+    from export.cli import export_default
+
+    export_default(progress=progress)
+    return d
+
+
+def load(model_dir: str | os.PathLike | None = None, drafter: str = "auto", device: str | None = None,
+         budget_mb: float | None = None, threads: int = 2, context: int | None = None,
+         progress: bool = True) -> Engine:
+    """Load an exported model directory (default: the embedded SmolLM2, exported on first use).
+
+    `device` / `budget_mb` are accepted for the memory planner; until it lands they only validate."""
+    if budget_mb is not None and budget_mb <= 0:
+        raise EngineError(f"budget_mb must be positive (got {budget_mb})")
+    d = Path(model_dir) if model_dir is not None else ensure_default_model(progress)
+    return Engine(d, drafter=drafter, threads=threads, context=context)

@@ -1,0 +1,406 @@
+"""The engine: one generation loop (prefill → draft → verify → accept/reject → KV commit/rollback → drafter update),
+and the thin `generate` / `stream` / `Chat` wrappers around it.
+
+Invariant between steps: the target KV cache holds the context plus every emitted token except the last one (the
+"root"), which is the first token of the next verify call. `self.cached` mirrors the cache's token ids, so a new
+request (or chat turn) re-uses the longest common prefix and prefills only what is new.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from kernels.sampling import process_logits, sample_from
+from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
+from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
+
+from .drafters import Draft, LookupDrafter, ModelDrafter, NoDrafter
+from .manifest import ModelDirError, load_manifest
+from .runner import GraphSession
+from .text import StreamDecoder, TextCodec
+
+DRAFTERS = ("auto", "model", "lookup", "none")
+
+
+class EngineError(Exception):
+    """Bad request or unusable state; the message says what to change."""
+
+
+class EngineBusy(EngineError):
+    pass
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    drafter: str | None = None  # None: the engine's default
+    draft_len: int | None = None  # None: the drafter's default
+
+    def check(self, context_room: int) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise EngineError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
+        if not (self.temperature >= 0):
+            raise EngineError(f"temperature must be >= 0 (got {self.temperature!r}); 0 means greedy")
+        if not (0 < self.top_p <= 1):
+            raise EngineError(f"top_p must be in (0, 1] (got {self.top_p!r})")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise EngineError(f"top_k must be an integer >= 0 (got {self.top_k!r}); 0 disables it")
+        if self.drafter is not None and self.drafter not in DRAFTERS:
+            raise EngineError(f"drafter {self.drafter!r}: choose one of {', '.join(DRAFTERS)}")
+        if self.draft_len is not None and not (0 <= self.draft_len <= 64):
+            raise EngineError(f"draft_len must be in [0, 64] (got {self.draft_len!r})")
+
+
+@dataclass
+class Chunk:
+    text: str
+    token_ids: list[int]
+    drafted: int  # how many of token_ids were drafter tokens the target accepted
+    finish_reason: str | None = None
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens already in the KV cache (not prefilled again)
+    generated: int = 0
+    steps: int = 0  # target verify/decode calls after prefill
+    drafted: int = 0  # draft tokens sent to verification
+    accepted: int = 0  # draft tokens the target accepted
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    target_s: float = 0.0  # time inside target calls during decode
+    draft_s: float = 0.0  # time inside the drafter
+    drafter: str = "none"
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (self.generated - 1) / self.decode_s if self.decode_s > 0 and self.generated > 1 else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens emitted per verify call (accepted drafts + the target's own)."""
+        return (self.generated - 1) / self.steps if self.steps else 0.0
+
+    @property
+    def overhead_ms_per_step(self) -> float:
+        return 1000 * (self.decode_s - self.target_s - self.draft_s) / self.steps if self.steps else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(decode_tok_s=round(self.decode_tok_s, 2), mean_accepted=round(self.mean_accepted, 3),
+                 overhead_ms_per_step=round(self.overhead_ms_per_step, 3))
+        return d
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: Stats = field(default_factory=Stats)
+
+    @property
+    def drafted(self) -> int:
+        return self.stats.drafted
+
+    @property
+    def accepted(self) -> int:
+        return self.stats.accepted
+
+    @property
+    def steps(self) -> int:
+        return self.stats.steps
+
+
+class Engine:
+    def __init__(self, model_dir: str | Path, drafter: str = "auto", threads: int = 2, context: int | None = None,
+                 providers=("CPUExecutionProvider",), verify: str = "size"):
+        if drafter not in DRAFTERS:
+            raise EngineError(f"drafter {drafter!r}: choose one of {', '.join(DRAFTERS)}")
+        self.model_dir = Path(model_dir)
+        self.manifest = m = load_manifest(self.model_dir, verify=verify)
+        tok = self.model_dir / m.tokenizer
+        if not tok.is_file():
+            raise ModelDirError(f"{tok}: tokenizer missing; re-run edge-export")
+        self.codec = TextCodec(tok, m.chat_template, m.special_tokens.get("bos"), tuple(m.special_tokens.get("eos") or ()))
+        if self.codec.vocab_size > m.arch["vocab"]:
+            raise ModelDirError(f"{tok}: tokenizer has {self.codec.vocab_size} tokens but the model {m.arch['vocab']}; "
+                                "the tokenizer belongs to another model — re-export")
+        self.eos = set(self.codec.eos)
+        self.threads, self.providers = threads, providers
+        t = m.target
+        self.context = min(context or 4096, t.max_len)
+        self.target = GraphSession(str(self.model_dir / t.file), m, t, self.context, threads, providers)
+        self.cached: list[int] = []
+        self.lookup = LookupDrafter()
+        self._drafter_sess = None
+        self._id_map = None
+        self._lock = threading.Lock()
+        self.default_drafter = self._resolve(drafter)
+
+    # ------------------------------------------------------------------ drafters
+    def _resolve(self, kind: str) -> str:
+        if kind == "model" and not self.manifest.drafters:
+            raise ModelDirError(f"{self.model_dir}: no drafter graph in this export (re-export with --drafter-layers) "
+                                "or use --drafter lookup")
+        if kind != "auto":
+            return kind
+        # lookup drafting is free (no extra model calls); a model drafter must earn its cost. Measured choice:
+        # the untrained early-exit drafter agrees too rarely on this model to pay (README, drafter table).
+        best = max(self.manifest.drafters, key=lambda g: g.stats.get("top1_agreement", 0), default=None)
+        if best is not None and best.stats.get("top1_agreement", 0) >= 0.6:
+            return "model"
+        return "lookup"
+
+    def _model_drafter(self, p: GenerationParams, rng) -> ModelDrafter:
+        if self._drafter_sess is None:
+            g = max(self.manifest.drafters, key=lambda g: g.stats.get("top1_agreement", 0))
+            self._drafter_sess = GraphSession(str(self.model_dir / g.file), self.manifest, g, self.context,
+                                              self.threads, self.providers)
+            self._id_map = np.load(self.model_dir / g.id_map) if g.id_map else np.arange(g.vocab)
+            if self._id_map.max() >= self.manifest.arch["vocab"] or self._id_map.min() < 0:
+                raise ModelDirError(f"{self.model_dir / g.id_map}: ids outside the target vocabulary; re-export")
+            self._drafter_cached: list[int] = []
+        d = ModelDrafter(self._drafter_sess, self._id_map, self.manifest.arch["vocab"], threshold=0.0,
+                         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, rng=rng)
+        d.cached = self._drafter_cached  # shared list: the drafter cache outlives one request
+        return d
+
+    def _drafter(self, kind: str, p: GenerationParams, rng):
+        if kind == "none":
+            return NoDrafter(), 0
+        if kind == "lookup":
+            return self.lookup, p.draft_len if p.draft_len is not None else 8
+        return self._model_drafter(p, rng), p.draft_len if p.draft_len is not None else 4
+
+    # ------------------------------------------------------------------ encoding
+    def encode(self, prompt_or_messages, raw: bool = False) -> list[int]:
+        if isinstance(prompt_or_messages, str):
+            if raw:
+                return self.codec.encode(prompt_or_messages)
+            msgs = [{"role": "user", "content": prompt_or_messages}]
+        else:
+            msgs = list(prompt_or_messages)
+            for m in msgs:
+                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") \
+                        or not isinstance(m.get("content"), str):
+                    raise EngineError(f"bad message {m!r}: expected {{'role': system|user|assistant, 'content': str}}")
+        return self.codec.encode_chat(msgs)
+
+    # ------------------------------------------------------------------ the loop
+    def _prefill(self, ids: list[int], st: Stats, chunk: int = 512) -> np.ndarray:
+        """Re-use the longest cached prefix, prefill the rest in chunks; → logits [V] after the last prompt token."""
+        n = 0
+        lim = min(len(self.cached), len(ids) - 1)
+        while n < lim and self.cached[n] == ids[n]:
+            n += 1
+        self._rewind_to(n)
+        st.reused_tokens = n
+        logits = None
+        for i in range(n, len(ids), chunk):
+            part = ids[i : i + chunk]
+            logits = self.target.forward(part, keep=1)[-1]
+            self._commit(part, None)
+        return logits.copy()
+
+    def _commit(self, tokens: list[int], path: list[int] | None) -> None:
+        """Commit the verified tokens (root + accepted drafts) to the target cache."""
+        if path is None:
+            self.target.cache.append(len(tokens))
+        else:
+            self.target.cache.keep(path)
+        self.cached += tokens
+
+    def _rewind_to(self, length: int) -> None:
+        """Roll the target cache back to `length` tokens (also repairs a cache an interrupt left ahead of
+        `self.cached`: only tokens both agree on are kept)."""
+        cache = self.target.cache
+        n = min(length, cache.length, len(self.cached))
+        cache.trim(cache.length - n)
+        del self.cached[n:]
+
+    def _verify(self, root: int, d: Draft, p: GenerationParams, rng) -> tuple[list[int], list[int] | None, int]:
+        """One target call over [root] + draft → (committed tokens, tree path or None, next token)."""
+        tokens = np.concatenate([[root], d.tokens]).astype(np.int64)
+        L = self.target.cache.length
+        if d.is_chain:
+            logits = self.target.forward(tokens)  # [K+1, V]
+            layout = None
+        else:
+            layout = TreeLayout.from_parents(np.concatenate([[-1], d.parents]))
+            logits = self.target.forward(tokens, layout.position_ids(L), layout.attention_bias(L))
+        greedy = p.temperature == 0
+        if layout is None:
+            if greedy:
+                n, nxt = verify_greedy(d.tokens, logits.argmax(-1))
+            else:
+                P = process_logits(logits, p.temperature, p.top_k, p.top_p)
+                n, nxt = verify_sampling(d.tokens, P, d.q, rng)
+            return [int(t) for t in tokens[: n + 1]], None, int(nxt)
+        parents = layout.parents
+        if greedy:
+            path, nxt = verify_greedy_tree(tokens, parents, logits.argmax(-1))
+        else:
+            P = process_logits(logits, p.temperature, p.top_k, p.top_p)
+            q = None if d.q is None else np.concatenate([d.q, np.zeros((1, d.q.shape[1]))])
+            path, nxt = verify_sampling_tree(tokens, parents, P, q, rng)
+        return [int(tokens[i]) for i in path], list(path), int(nxt)
+
+    def _run(self, ids: list[int], p: GenerationParams) -> Iterator[Chunk]:
+        st = Stats(prompt_tokens=len(ids))
+        self.last_stats = st
+        if not ids:
+            raise EngineError("empty prompt: nothing to continue from")
+        room = self.context - len(ids)
+        if room < 1:
+            raise EngineError(f"prompt is {len(ids)} tokens but the context holds {self.context}; "
+                              "shorten it (or load with a larger context)")
+        p.check(room)
+        rng = np.random.default_rng(p.seed)
+        kind = p.drafter or self.default_drafter
+        kind = self._resolve(kind) if kind == "auto" else kind
+        drafter, k = self._drafter(kind, p, rng)
+        st.drafter = kind
+        dec = StreamDecoder(self.codec)
+        text, sent, out = "", 0, []
+        hold = max((len(s) for s in p.stop), default=1) - 1  # chars held back while a stop string may complete
+        t0 = t1 = time.perf_counter()
+        try:
+            logits = self._prefill(ids, st)
+            first = int(np.argmax(logits)) if p.temperature == 0 else \
+                sample_from(process_logits(logits, p.temperature, p.top_k, p.top_p), rng)
+            st.prefill_s = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            drafter.begin(ids + [first])
+            new, n_drafted, root = [first], 0, first
+            while True:
+                # ---- emit what the last step produced (EOS, limits, stop strings)
+                finish = None
+                for j, t in enumerate(new):
+                    if t in self.eos:
+                        new, finish = new[: j + 1], "stop"
+                        break
+                if len(out) + len(new) >= p.max_tokens:
+                    new, finish = new[: p.max_tokens - len(out)], finish or "length"
+                out += new
+                st.generated = len(out)
+                text += dec.push(new)
+                cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    text, finish = text[:cut], "stop"
+                elif finish is None and self.target.cache.room() < 2:
+                    finish = "length"  # context window full
+                if finish is not None:
+                    if cut < 0:
+                        text += dec.flush()
+                    st.decode_s = time.perf_counter() - t1
+                    yield Chunk(text[sent:], new, n_drafted, finish)
+                    return
+                safe = len(text) - hold if p.stop else len(text)
+                yield Chunk(text[sent:safe], new, n_drafted)
+                sent = max(sent, safe)
+
+                # ---- one speculative step: draft, verify in one target call, commit, update the drafter
+                budget = min(k, p.max_tokens - len(out) - 1, self.target.cache.room() - 2)
+                ts = time.perf_counter()
+                d = drafter.draft(budget) if budget > 0 else Draft.empty()
+                st.draft_s += time.perf_counter() - ts
+                ts = time.perf_counter()
+                committed, path, nxt = self._verify(root, d, p, rng)
+                st.target_s += time.perf_counter() - ts
+                self._commit(committed, path)
+                st.steps += 1
+                st.drafted += len(d)
+                n_drafted = len(committed) - 1
+                st.accepted += n_drafted
+                new = committed[1:] + [nxt]
+                drafter.accept(new)
+                root = nxt
+        finally:
+            st.decode_s = st.decode_s or time.perf_counter() - t1
+            self._rewind_to(len(ids) + len(out) - 1 if out else 0)
+            if isinstance(drafter, ModelDrafter):
+                self._drafter_cached = drafter.cached
+
+    # ------------------------------------------------------------------ public API
+    def stream(self, prompt_or_messages, raw: bool = False, **kw) -> Iterator[Chunk]:
+        p = GenerationParams(**_normalize(kw))
+        ids = self.encode(prompt_or_messages, raw=raw)
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusy("this engine is generating in another thread; serialize calls or load a second engine")
+        try:
+            yield from self._run(ids, p)
+        finally:
+            self._lock.release()
+
+    def generate(self, prompt_or_messages, raw: bool = False, **kw) -> GenerationResult:
+        text, ids, finish = [], [], "length"
+        for ch in self.stream(prompt_or_messages, raw=raw, **kw):
+            text.append(ch.text)
+            ids += ch.token_ids
+            finish = ch.finish_reason or finish
+        return GenerationResult("".join(text), ids, finish, self.last_stats)
+
+    def chat(self, system: str | None = None) -> "Chat":
+        return Chat(self, system)
+
+    def reset(self) -> None:
+        self._rewind_to(0)
+
+
+def _normalize(kw: dict) -> dict:
+    if "stop" in kw and kw["stop"] is not None:
+        s = kw["stop"]
+        kw["stop"] = (s,) if isinstance(s, str) else tuple(s)
+    elif "stop" in kw:
+        kw["stop"] = ()
+    known = set(GenerationParams.__dataclass_fields__)
+    bad = [k for k in kw if k not in known]
+    if bad:
+        raise EngineError(f"unknown generation option(s) {bad}; known: {sorted(known)}")
+    return kw
+
+
+class Chat:
+    """Multi-turn conversation on one engine: the template is re-rendered each turn and only the new tokens are
+    prefilled (the engine keeps the longest common prefix). An interrupted answer stays in the history as far as it
+    was streamed, so the next turn sees exactly what the user saw."""
+
+    def __init__(self, engine: Engine, system: str | None = None):
+        self.engine = engine
+        self.system = system
+        self.messages: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+
+    def send(self, text: str, **kw) -> Iterator[Chunk]:
+        self.messages.append({"role": "user", "content": text})
+        answer = []
+        try:
+            for ch in self.engine.stream(self.messages, **kw):
+                answer.append(ch.text)
+                yield ch
+        except EngineError:
+            self.messages.pop()
+            raise
+        finally:
+            if self.messages and self.messages[-1]["role"] == "user":
+                self.messages.append({"role": "assistant", "content": "".join(answer)})
+
+    def ask(self, text: str, **kw) -> GenerationResult:
+        chunks = list(self.send(text, **kw))
+        return GenerationResult("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+                                chunks[-1].finish_reason if chunks else "length", self.engine.last_stats)

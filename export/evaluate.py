@@ -1,0 +1,88 @@
+"""Export-time measurements on freshly written graphs: parity against the numpy reference, the target's
+next-token statistics for vocabulary trimming, drafter agreement and one-call latency.
+
+Deliberately simple ONNX Runtime calls (numpy feeds, no shared buffers): this is measurement, not the runtime.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+NEG = np.finfo(np.float32).min
+
+
+def causal_bias(s: int, past: int = 0) -> np.ndarray:
+    allow = np.tril(np.ones((s, s), bool))
+    return np.concatenate([np.zeros((s, past), np.float32), np.where(allow, 0, NEG).astype(np.float32)], 1)[None, None]
+
+
+class GraphRunner:
+    def __init__(self, path: str, layers: int, kv_heads: int, head_dim: int, threads: int = 2,
+                 kv_dtype=np.float32):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        so.log_severity_level = 3
+        self.sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        self.layers, self.kv_heads, self.head_dim, self.kv_dtype = layers, kv_heads, head_dim, kv_dtype
+
+    def _feeds(self, ids, pos, bias, past, keep=0):
+        f = {"input_ids": np.asarray(ids, np.int64)[None], "position_ids": np.asarray(pos, np.int64)[None],
+             "attention_bias": bias, "logits_keep": np.array([keep], np.int64)}
+        for i in range(self.layers):
+            f[f"past_key_values.{i}.key"], f[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
+        return f
+
+    def _empty(self):
+        return [np.zeros((1, self.kv_heads, 0, self.head_dim), self.kv_dtype) for _ in range(2 * self.layers)]
+
+    def logits(self, ids) -> np.ndarray:
+        """ids [S] → logits [S, V], one call from an empty cache."""
+        s = len(ids)
+        return self.sess.run(["logits"], self._feeds(ids, np.arange(s), causal_bias(s), self._empty()))[0][0]
+
+    def greedy(self, ids, n: int, stop: tuple[int, ...] = ()) -> list[int]:
+        """Greedy continuation (present fed back as past): calibration text, not the runtime loop."""
+        names = ["logits"] + [f"present.{i}.{k}" for i in range(self.layers) for k in ("key", "value")]
+        s = len(ids)
+        out = self.sess.run(names, self._feeds(ids, np.arange(s), causal_bias(s), self._empty(), keep=1))
+        gen = []
+        for _ in range(n):
+            tok = int(out[0][0, -1].argmax())
+            gen.append(tok)
+            if tok in stop:
+                break
+            t = s + len(gen)
+            out = self.sess.run(names, self._feeds([tok], [t - 1], np.zeros((1, 1, 1, t), np.float32), out[1:]))
+        return gen
+
+    def latency_ms(self, s: int = 1, past: int = 128, reps: int = 20) -> float:
+        """Median wall time of one call with S new tokens over `past` cached ones."""
+        cache = [np.zeros((1, self.kv_heads, past, self.head_dim), self.kv_dtype) for _ in range(2 * self.layers)]
+        f = self._feeds(np.zeros(s, np.int64), past + np.arange(s), causal_bias(s, past), cache)
+        self.sess.run(["logits"], f)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            self.sess.run(["logits"], f)
+            ts.append(time.perf_counter() - t)
+        return 1000 * float(np.median(ts))
+
+
+def parity(reference_logits: list[np.ndarray], exported_logits: list[np.ndarray]) -> dict:
+    """max |Δlogit| and top-1 agreement over all positions of all prompts."""
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(reference_logits, exported_logits))
+    agree = np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(reference_logits, exported_logits)])
+    return {"max_abs_diff": round(diff, 6), "top1_agreement": round(float(agree.mean()), 4), "positions": int(agree.size)}
+
+
+def rank_vocabulary(token_lists: list[list[int]], vocab: int, always: tuple[int, ...] = ()) -> np.ndarray:
+    """Target ids ordered by how often the target produced them (ties: lower id first); `always` ids first."""
+    counts = np.zeros(vocab, np.int64)
+    for toks in token_lists:
+        np.add.at(counts, np.asarray(toks, np.int64), 1)
+    order = np.lexsort((np.arange(vocab), -counts))
+    head = [t for t in always if 0 <= t < vocab]
+    return np.concatenate([np.asarray(head, np.int64), order[~np.isin(order, head)]])

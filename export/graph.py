@@ -1,0 +1,203 @@
+"""Our own ONNX graph builder for the llama family: one tree-capable graph for prefill, decode and verify.
+
+Graph I/O (what `edge` feeds):
+    input_ids        int64 [1, S]
+    position_ids     int64 [1, S]          prefix length + depth for tree nodes
+    attention_bias   float32 [1, 1, S, T]  additive; T = committed length + S (0 = attend, very negative = not)
+    logits_keep      int64 [1]             0 = logits for every row; n > 0 = only the last n rows
+    past_key_values.{i}.key / .value  [1, kv_heads, max_len, head_dim]  one preallocated buffer per layer,
+                                           bound to present.{i}.* too: GroupQueryAttention appends in place
+    → logits [1, S or n, V], present.{i}.key / .value
+
+Ops (the fast class onnxruntime-genai's builder uses, written here from the architecture):
+embedding Gather · SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization (fused RMSNorm + residual) ·
+one packed QKV MatMul · GroupQueryAttention with fused rotary (cos/sin caches, explicit position_ids) and
+`attention_bias` over a max-length KV buffer shared by past and present · packed gate/up MatMul · SiLU ·
+MatMulNBits (block-wise int4/int8 weights) or plain MatMul (fp32/fp16).
+
+GroupQueryAttention wants `seqlens_k` (= T - 1) and `total_sequence_length` (= T); both are derived inside the graph
+from the attention bias' last dimension, so a caller only states the mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .checkpoint import Checkpoint
+from .quant import quantize_asymmetric, quantize_blockwise
+
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+MS = "com.microsoft"
+IR_VERSION = 10  # ORT 1.31 loads IR <= 13; onnx 1.23 would write 14 by default
+OPSET = 17
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    precision: str = "int4"
+    block_size: int = 32
+    accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations (per row, per block), 0 = fp32 activations
+    lm_head_bits: int | None = None  # None: 8 for int8/int4 bodies, float for fp32/fp16
+    symmetric: bool = False  # False: min/max blocks with zero points (closer to GGUF's asymmetric Q4_1 source)
+    layers: int | None = None  # early-exit drafter: the first N layers (+ final norm + head)
+    max_len: int | None = None  # rotary table length; default: the model's max positions
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+
+    @property
+    def bits(self) -> int | None:
+        return {"int4": 4, "int8": 8}.get(self.precision)
+
+    @property
+    def head_bits(self) -> int | None:
+        if self.lm_head_bits is not None:
+            return self.lm_head_bits or None
+        return 8 if self.bits else None
+
+
+class _Builder:
+    def __init__(self, opts: GraphOptions, float_type: int):
+        self.o = opts
+        self.ft = float_type
+        self.np_ft = np.float16 if float_type == TensorProto.FLOAT16 else np.float32
+        self.nodes: list[onnx.NodeProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self._n = 0
+
+    def init(self, name: str, arr: np.ndarray) -> str:
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def node(self, op: str, inputs: list[str], n_out: int = 1, domain: str = "", name: str | None = None,
+             outputs: list[str] | None = None, **attrs) -> list[str]:
+        self._n += 1
+        name = name or f"{op}_{self._n}"
+        outs = outputs or [f"{name}/out{i}" for i in range(n_out)]
+        self.nodes.append(helper.make_node(op, inputs, outs, name=name, domain=domain or None, **attrs))
+        return outs
+
+    def linear(self, x: str, w: np.ndarray, name: str, bits: int | None) -> str:
+        """y = x @ w.T for w [N, K]."""
+        n, k = w.shape
+        if bits is None:
+            wt = self.init(f"{name}.weight", w.T.astype(self.np_ft))
+            return self.node("MatMul", [x, wt], name=name)[0]
+        if self.o.symmetric:
+            b, s = quantize_blockwise(w, bits, self.o.block_size)
+            extra = []
+        else:
+            b, s, z = quantize_asymmetric(w, bits, self.o.block_size)
+            extra = [self.init(f"{name}.zero_points", z)]
+        bn = self.init(f"{name}.qweight", b)
+        sn = self.init(f"{name}.scales", s.astype(self.np_ft))
+        return self.node("MatMulNBits", [x, bn, sn] + extra, domain=MS, name=name, K=k, N=n, bits=bits,
+                         block_size=self.o.block_size, accuracy_level=self.o.accuracy_level)[0]
+
+
+def rotary_tables(head_dim: int, theta: float, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ang = np.arange(max_len, dtype=np.float64)[:, None] * inv[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None = None) -> onnx.ModelProto:
+    """The target graph (all layers, full vocabulary) or a drafter (`opts.layers`, `vocab_ids` = kept target ids)."""
+    c = ck.config
+    n_layers = opts.layers or c.layers
+    if not 1 <= n_layers <= c.layers:
+        raise ValueError(f"layers={n_layers}: the model has {c.layers}")
+    ft = TensorProto.FLOAT16 if opts.precision == "fp16" else TensorProto.FLOAT
+    g = _Builder(opts, ft)
+    w = ck.weights
+    bits = opts.bits
+    max_len = opts.max_len or c.max_positions
+    eps = float(c.rms_eps)
+
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "S"]),
+        helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "S"]),
+        helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, [1, 1, "S", "T"]),
+        helper.make_tensor_value_info("logits_keep", TensorProto.INT64, [1]),
+    ]
+    outputs = []
+
+    # T, seqlens_k = T - 1, from the mask's shape
+    shape = g.node("Shape", ["attention_bias"], name="bias_shape")[0]
+    t64 = g.node("Gather", [shape, g.init("const_3", np.array(3, np.int64))], name="total_len64", axis=0)[0]
+    total = g.node("Cast", [t64], name="total_len", to=TensorProto.INT32)[0]
+    seqlens = g.node("Sub", [total, g.init("const_one_i32", np.array(1, np.int32))], name="seqlens_scalar")[0]
+    seqlens = g.node("Reshape", [seqlens, g.init("shape_1", np.array([1], np.int64))], name="seqlens_k")[0]
+    bias = "attention_bias"
+    if ft != TensorProto.FLOAT:
+        bias = g.node("Cast", [bias], name="attention_bias_cast", to=ft)[0]
+
+    cos, sin = rotary_tables(c.head_dim, c.rope_theta, max_len)
+    cos_n, sin_n = g.init("cos_cache", cos.astype(g.np_ft)), g.init("sin_cache", sin.astype(g.np_ft))
+
+    emb = w["model.embed_tokens.weight"].astype(g.np_ft)
+    h = g.node("Gather", [g.init("embed_tokens", emb), "input_ids"], name="embed", axis=0)[0]
+    residual = h
+    x = g.node("SimplifiedLayerNormalization", [h, g.init("l0.input_norm", w["model.layers.0.input_layernorm.weight"].astype(g.np_ft))],
+               name="l0/input_norm", axis=-1, epsilon=eps, stash_type=1)[0]
+    kv_shape = [1, c.kv_heads, "max_len", c.head_dim]
+    for i in range(n_layers):
+        L = lambda n: w[f"model.layers.{i}.{n}"]  # noqa: E731
+        qkv_w = np.concatenate([L("self_attn.q_proj.weight"), L("self_attn.k_proj.weight"), L("self_attn.v_proj.weight")])
+        qkv = g.linear(x, qkv_w, f"l{i}/qkv", bits)
+        if c.qkv_bias:
+            qkv_b = np.concatenate([L("self_attn.q_proj.bias"), L("self_attn.k_proj.bias"), L("self_attn.v_proj.bias")])
+            qkv = g.node("Add", [qkv, g.init(f"l{i}/qkv.bias", qkv_b.astype(g.np_ft))], name=f"l{i}/qkv_bias")[0]
+        pk, pv = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+        ok, ov = f"present.{i}.key", f"present.{i}.value"
+        inputs += [helper.make_tensor_value_info(pk, ft, kv_shape), helper.make_tensor_value_info(pv, ft, kv_shape)]
+        outputs += [helper.make_tensor_value_info(ok, ft, kv_shape), helper.make_tensor_value_info(ov, ft, kv_shape)]
+        attn = g.node("GroupQueryAttention",
+                      [qkv, "", "", pk, pv, seqlens, total, cos_n, sin_n, "position_ids", bias],
+                      domain=MS, name=f"l{i}/attn", outputs=[f"l{i}/attn/out", ok, ov],
+                      num_heads=c.heads, kv_num_heads=c.kv_heads, do_rotary=1, rotary_interleaved=0,
+                      local_window_size=-1)[0]
+        o = g.linear(attn, L("self_attn.o_proj.weight"), f"l{i}/o_proj", bits)
+        x, _, _, residual = g.node("SkipSimplifiedLayerNormalization",
+                                   [o, residual, g.init(f"l{i}.post_norm", L("post_attention_layernorm.weight").astype(g.np_ft))],
+                                   domain=MS, name=f"l{i}/post_norm", n_out=4, epsilon=eps)
+        gu = g.linear(x, np.concatenate([L("mlp.gate_proj.weight"), L("mlp.up_proj.weight")]), f"l{i}/gate_up", bits)
+        gate, up = g.node("Split", [gu, g.init(f"l{i}/split", np.array([c.intermediate] * 2, np.int64))],
+                          n_out=2, name=f"l{i}/split", axis=-1)
+        act = g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate], name=f"l{i}/sigmoid")[0]], name=f"l{i}/silu")[0], up],
+                     name=f"l{i}/act")[0]
+        down = g.linear(act, L("mlp.down_proj.weight"), f"l{i}/down", bits)
+        last = i == n_layers - 1
+        norm_w = w["model.norm.weight"] if last else w[f"model.layers.{i + 1}.input_layernorm.weight"]
+        x, _, _, residual = g.node("SkipSimplifiedLayerNormalization",
+                                   [down, residual, g.init(f"l{i + 1}.input_norm" if not last else "final_norm", norm_w.astype(g.np_ft))],
+                                   domain=MS, name=f"l{i + 1}/input_norm" if not last else "final_norm", n_out=4, epsilon=eps)
+    # logits only for the last `logits_keep` rows (0 = all): a 2k-token prefill needs one row, not 400 MB
+    neg = g.node("Neg", ["logits_keep"], name="keep_neg")[0]
+    x = g.node("Slice", [x, neg, g.init("int_max", np.array([2**62], np.int64)), g.init("axis_1", np.array([1], np.int64))],
+               name="keep_rows")[0]
+    head = ck.lm_head if vocab_ids is None else ck.lm_head[np.asarray(vocab_ids)]
+    logits = g.linear(x, head, "lm_head", opts.head_bits)
+    if ft != TensorProto.FLOAT:
+        logits = g.node("Cast", [logits], name="logits_cast", to=TensorProto.FLOAT)[0]
+    g.node("Identity", [logits], name="logits_out", outputs=["logits"])
+    outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "R", head.shape[0]]))
+
+    graph = helper.make_graph(g.nodes, "edgespec_decoder", inputs, outputs, initializer=g.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
+                              producer_name="edgespec")
+    model.ir_version = IR_VERSION
+    return model
+
+
+def save_model(model: onnx.ModelProto, path: str) -> None:
+    """model.onnx + one external-data file beside it (weights > 2 GB and mmap-friendly)."""
+    import os
+
+    data = os.path.basename(path) + ".data"
+    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data,
+                    size_threshold=1024)

@@ -1,0 +1,237 @@
+"""checkpoint → model directory: target graph, trimmed early-exit drafters, tokenizer, parity report, manifest.
+
+Atomic by construction: everything is written into `<out>.partial/`, the manifest last, and the directory is renamed
+into place only when complete. An interrupted export leaves at most a `.partial` directory, which never loads and is
+cleared by the next run.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edge.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, GraphEntry, Manifest, sha256_file
+from edge.text import TextCodec
+
+from . import calibration, reference
+from .checkpoint import Checkpoint, load_checkpoint
+from .evaluate import GraphRunner, parity, rank_vocabulary
+from .graph import GraphOptions, build_graph, save_model
+from .tokenizer import write_tokenizer
+
+# Chosen by measurement on the 2-core dev VM (README "Quantization"): int4 weights with int8 activations
+# (MatMulNBits accuracy_level 4), block 32, 8-bit LM head.
+DEFAULT_PRECISION = "int4"
+DEFAULT_DRAFTER = (4, 8192)  # early-exit layers, trimmed vocabulary
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    precision: str = DEFAULT_PRECISION
+    block_size: int = 32
+    accuracy_level: int = 4
+    lm_head_bits: int | None = None
+    max_len: int = 8192  # KV capacity (capped by the model's own max positions)
+    drafters: tuple[tuple[int, int], ...] = (DEFAULT_DRAFTER,)  # (layers, vocab); vocab 0 = full
+    calib_new_tokens: int = 64
+    parity: bool = True
+    threads: int = 2
+    name: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def graph_options(self, max_len: int, layers: int | None = None) -> GraphOptions:
+        return GraphOptions(precision=self.precision, block_size=self.block_size, accuracy_level=self.accuracy_level,
+                            lm_head_bits=self.lm_head_bits, layers=layers, max_len=max_len)
+
+
+class _Steps:
+    """One progress bar over the export's named steps (tqdm when available and wanted)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="export", unit="step", file=sys.stderr, dynamic_ncols=True)
+            except ImportError:
+                pass
+        self.enabled = enabled
+
+    def start(self, what: str):
+        if self.bar is not None:
+            self.bar.set_description(what)
+        elif self.enabled:
+            print(f"[export] {what} …", file=sys.stderr, flush=True)
+
+    def done(self):
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for mod in ("edgespec", "onnx", "onnxruntime", "gguf", "transformers", "numpy"):
+        try:
+            from importlib.metadata import version
+
+            out[mod] = version(mod)
+        except Exception:
+            pass
+    return out
+
+
+def source_digest(path: str | os.PathLike) -> str:
+    p = Path(path)
+    if p.is_file():
+        return sha256_file(p)
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(p.glob("*.safetensors")) + [p / "config.json"]:
+        h.update(f.name.encode())
+        h.update(sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, opts: ExportOptions = ExportOptions(),
+                 progress: bool = True, checkpoint: Checkpoint | None = None) -> Manifest:
+    out_dir = Path(out_dir)
+    part = out_dir.with_name(out_dir.name + ".partial")
+    if part.exists():
+        shutil.rmtree(part)  # an earlier interrupted export: start clean
+    part.mkdir(parents=True)
+    steps = _Steps(6 + 2 * len(opts.drafters), progress)
+    t0 = time.time()
+    try:
+        steps.start("loading checkpoint")
+        ck = checkpoint or load_checkpoint(source)
+        c = ck.config
+        max_len = min(opts.max_len, c.max_positions)
+        steps.done()
+
+        steps.start("tokenizer")
+        tf = write_tokenizer(ck, part)
+        codec = TextCodec(part / "tokenizer.json", tf.chat_template, tf.bos, tf.eos)
+        steps.done()
+
+        steps.start(f"target graph ({opts.precision})")
+        target_file = "target/model.onnx"
+        (part / "target").mkdir()
+        save_model(build_graph(ck, opts.graph_options(max_len)), str(part / target_file))
+        runner = GraphRunner(str(part / target_file), c.layers, c.kv_heads, c.head_dim, opts.threads)
+        steps.done()
+
+        prompts = [codec.encode_chat([{"role": "user", "content": p}]) for p in calibration.PROMPTS]
+        calib, held = prompts[: -calibration.HELD_OUT], prompts[-calibration.HELD_OUT :]
+
+        steps.start("parity vs fp32 reference")
+        report = {}
+        if opts.parity:
+            ref = [reference.forward(ck, ids) for ids in held[:3]]
+            got = [runner.logits(ids) for ids in held[:3]]
+            report = parity(ref, got)
+            report["prompts"] = len(ref)
+        steps.done()
+
+        steps.start("calibration text (target greedy)")
+        stop = tf.eos
+        produced = []
+        for ids in calib + held:
+            target_next = runner.logits(ids).argmax(-1)  # teacher-forced predictions over the prompt
+            gen = runner.greedy(ids, opts.calib_new_tokens, stop)
+            produced.append((list(target_next), gen, ids))
+        steps.done()
+        # vocabulary ranking: what the target produces (its own continuations + its next-token predictions)
+        ranked = rank_vocabulary([p[0] + p[1] for p in produced[: len(calib)]], c.vocab,
+                                 always=tuple(tf.eos) + ((tf.bos,) if tf.bos is not None else ()))
+        # held-out text for agreement: prompt + the target's own continuation, with target argmax at every position
+        held_text = [ids + gen for _, gen, ids in produced[len(calib) :]]
+        held_target = [runner.logits(t).argmax(-1) for t in held_text]
+        target_ms = runner.latency_ms(1)
+        del runner
+
+        graphs = [GraphEntry(role="target", name="target", file=target_file, layers=c.layers, vocab=c.vocab,
+                             precision=opts.precision, block_size=opts.block_size,
+                             accuracy_level=opts.accuracy_level if opts.precision in ("int4", "int8") else 0,
+                             lm_head_bits=opts.graph_options(max_len).head_bits or 0, max_len=max_len,
+                             stats={"latency_ms_s1": round(target_ms, 3)})]
+        for layers, k in opts.drafters:
+            k = k or c.vocab
+            name = f"drafter-l{layers}-v{k}"
+            steps.start(f"drafter {name}")
+            (part / name).mkdir()
+            ids_kept = np.sort(ranked[:k]).astype(np.int64)
+            np.save(part / name / "id_map.npy", ids_kept)
+            save_model(build_graph(ck, opts.graph_options(max_len, layers), ids_kept if k < c.vocab else None),
+                       str(part / name / "model.onnx"))
+            steps.done()
+            steps.start(f"drafter {name}: agreement")
+            dr = GraphRunner(str(part / name / "model.onnx"), layers, c.kv_heads, c.head_dim, opts.threads)
+            agree = np.concatenate([ids_kept[dr.logits(t).argmax(-1)] == tgt for t, tgt in zip(held_text, held_target)])
+            covered = np.concatenate([np.isin(tgt, ids_kept) for tgt in held_target])
+            stats = {"top1_agreement": round(float(agree.mean()), 4), "vocab_coverage": round(float(covered.mean()), 4),
+                     "latency_ms_s1": round(dr.latency_ms(1), 3), "held_out_positions": int(agree.size)}
+            del dr
+            graphs.append(GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=layers, vocab=k,
+                                     precision=opts.precision, block_size=opts.block_size,
+                                     accuracy_level=graphs[0].accuracy_level, lm_head_bits=graphs[0].lm_head_bits,
+                                     max_len=max_len, id_map=f"{name}/id_map.npy", stats=stats))
+            steps.done()
+
+        steps.start("manifest")
+        files = []
+        for f in sorted(part.rglob("*")):
+            if f.is_file():
+                rel = f.relative_to(part).as_posix()
+                files.append(FileEntry(rel, f.stat().st_size, sha256_file(f)))
+        sizes = {f.path: f.bytes for f in files}
+        graphs = [GraphEntry(**{**asdict(g), "weight_bytes": sizes[g.file] + sizes.get(g.file + ".data", 0)})
+                  for g in graphs]
+        report["export_seconds"] = round(time.time() - t0, 1)
+        m = Manifest(
+            format_version=FORMAT_VERSION,
+            name=opts.name or Path(ck.source).stem,
+            arch=c.to_dict(),
+            graphs=tuple(graphs),
+            files=tuple(files),
+            tokenizer="tokenizer.json",
+            chat_template=tf.chat_template,
+            special_tokens={"bos": tf.bos, "eos": list(tf.eos), "pad": tf.pad},
+            source={"path": str(Path(ck.source).resolve()), "format": ck.source_format,
+                    "sha256": source_digest(ck.source), "options": {**asdict(opts), "drafters": [list(d) for d in opts.drafters]}},
+            converter=_versions(),
+            parity=report,
+        )
+        m.write(part)
+        steps.done()
+    except BaseException:
+        steps.close()
+        shutil.rmtree(part, ignore_errors=True)
+        raise
+    steps.close()
+    _swap_into_place(part, out_dir)
+    return m
+
+
+def _swap_into_place(part: Path, out_dir: Path) -> None:
+    old = out_dir.with_name(out_dir.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if out_dir.exists():
+        # the old export stays loadable until the new one is complete; its manifest goes first so a crash
+        # between the two renames cannot leave a half-old directory that loads
+        (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        os.replace(out_dir, old)
+    os.replace(part, out_dir)
+    shutil.rmtree(old, ignore_errors=True)

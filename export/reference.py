@@ -1,0 +1,56 @@
+"""Slow fp32 numpy forward pass of the llama/qwen2 family: the "source logits" of every parity report.
+
+Written straight from the architecture (not from the ONNX graph), so parity compares two independent
+implementations. Tests check this reference against transformers on tiny random checkpoints.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .checkpoint import Checkpoint
+
+
+def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def _rotate(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
+    # x [H, S, D], pos [S]; half-split (non-interleaved) rotary as in HF llama
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    ang = pos[:, None].astype(np.float64) * inv[None, :]  # [S, D/2]
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def forward(ck: Checkpoint, ids, positions=None, mask=None, layers: int | None = None) -> np.ndarray:
+    """ids [S] → logits [S, V]. `positions` [S] default 0..S-1; `mask` bool [S, S] (True = may attend),
+    default causal. `layers` < config.layers gives the early-exit drafter's logits (final norm + LM head)."""
+    c = ck.config
+    ids = np.asarray(ids, dtype=np.int64)
+    S = ids.shape[0]
+    pos = np.arange(S) if positions is None else np.asarray(positions)
+    allow = np.tril(np.ones((S, S), bool)) if mask is None else np.asarray(mask, bool)
+    bias = np.where(allow, 0.0, -np.inf).astype(np.float32)
+    w = ck.weights
+    h = w["model.embed_tokens.weight"][ids]
+    group = c.heads // c.kv_heads
+    for i in range(c.layers if layers is None else layers):
+        L = lambda n: w[f"model.layers.{i}.{n}"]  # noqa: E731
+        x = _rms(h, L("input_layernorm.weight"), c.rms_eps)
+        q, k, v = (x @ L(f"self_attn.{n}_proj.weight").T for n in "qkv")
+        if c.qkv_bias:
+            q, k, v = q + L("self_attn.q_proj.bias"), k + L("self_attn.k_proj.bias"), v + L("self_attn.v_proj.bias")
+        q = _rotate(q.reshape(S, c.heads, c.head_dim).transpose(1, 0, 2), pos, c.rope_theta)
+        k = _rotate(k.reshape(S, c.kv_heads, c.head_dim).transpose(1, 0, 2), pos, c.rope_theta)
+        v = v.reshape(S, c.kv_heads, c.head_dim).transpose(1, 0, 2)
+        k, v = np.repeat(k, group, 0), np.repeat(v, group, 0)
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(c.head_dim) + bias
+        s = np.exp(s - s.max(-1, keepdims=True))
+        a = (s / s.sum(-1, keepdims=True)) @ v  # [H, S, D]
+        h = h + a.transpose(1, 0, 2).reshape(S, -1) @ L("self_attn.o_proj.weight").T
+        x = _rms(h, L("post_attention_layernorm.weight"), c.rms_eps)
+        g = x @ L("mlp.gate_proj.weight").T
+        h = h + ((g / (1 + np.exp(-g))) * (x @ L("mlp.up_proj.weight").T)) @ L("mlp.down_proj.weight").T
+    return _rms(h, w["model.norm.weight"], c.rms_eps) @ ck.lm_head.T

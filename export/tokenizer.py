@@ -1,0 +1,75 @@
+"""Tokenizer files for an export: a `tokenizer.json` the runtime's `tokenizers` can read, plus chat template and
+special token ids. From a Hugging Face directory it is copied; from a GGUF it is converted by transformers'
+GGUF tokenizer converter (tokenizer only: no torch, no hub)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checkpoint import Checkpoint, CheckpointError, gguf_fields
+
+
+@dataclass(frozen=True)
+class TokenizerFiles:
+    chat_template: str | None
+    bos: int | None
+    eos: tuple[int, ...]
+    pad: int | None
+
+
+def _hf_chat_template(d: Path) -> str | None:
+    jinja = d / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    cfg = d / "tokenizer_config.json"
+    if cfg.is_file():
+        t = json.loads(cfg.read_text()).get("chat_template")
+        if isinstance(t, list):  # named templates: take "default"
+            t = next((x["template"] for x in t if x.get("name") == "default"), None)
+        return t
+    return None
+
+
+def write_tokenizer(ck: Checkpoint, out_dir: Path) -> TokenizerFiles:
+    out = out_dir / "tokenizer.json"
+    src = Path(ck.source)
+    if ck.source_format == "hf":
+        tj = src / "tokenizer.json"
+        if not tj.is_file():
+            raise CheckpointError(f"{src}: no tokenizer.json (the runtime reads fast-tokenizer files only; "
+                                  "save one with AutoTokenizer.from_pretrained(...).save_pretrained(dir))")
+        shutil.copyfile(tj, out)
+        gen = src / "generation_config.json"
+        eos = ck.config.eos_token_ids
+        if gen.is_file():
+            e = json.loads(gen.read_text()).get("eos_token_id")
+            if e is not None:
+                eos = tuple(e) if isinstance(e, list) else (e,)
+        cfg = json.loads((src / "config.json").read_text())
+        return TokenizerFiles(_hf_chat_template(src), ck.config.bos_token_id, tuple(eos), cfg.get("pad_token_id"))
+
+    # GGUF → tokenizer.json via transformers' converter
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise CheckpointError("converting a GGUF tokenizer needs transformers: pip install 'edgespec[export]'") from e
+    from tokenizers import processors
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    backend = tok.backend_tokenizer
+    f = gguf_fields(src)
+    if not f.get("tokenizer.ggml.add_bos_token", False):
+        # the GGUF says no BOS; transformers' converter adds one in its post-processor regardless
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.save(str(out))
+    eos = f.get("tokenizer.ggml.eos_token_id")
+    return TokenizerFiles(
+        chat_template=f.get("tokenizer.chat_template"),
+        bos=f.get("tokenizer.ggml.bos_token_id"),
+        eos=(int(eos),) if eos is not None else (),
+        pad=f.get("tokenizer.ggml.padding_token_id"),
+    )

@@ -1,0 +1,373 @@
+"""Tests for kernels.verify (chains): exact cases, losslessness statistics, properties.
+
+The statistical tests run a whole speculative generation loop on a toy target and a toy
+drafter (trigram tables: the next-token distribution depends on the last two tokens). Draft
+tokens are sampled from q inside the test, verified, and the emitted tokens are compared with
+the target's exact joint distribution -- that is what "lossless" means.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.sampling import sample_from
+from kernels.stats import compare_to_distribution
+from kernels.verify import (
+    recovered_distribution,
+    scatter_trimmed,
+    verify_greedy,
+    verify_sampling,
+)
+
+PROPERTY = settings(max_examples=200, deadline=None, database=None)
+N_SAMPLES = 20_000
+START = (0, 1)  # the committed context every generation starts from
+
+
+class FixedU:
+    """Stand-in rng whose ``random()`` returns preset values."""
+
+    def __init__(self, *values: float) -> None:
+        self.values = list(values)
+
+    def random(self) -> float:
+        return self.values.pop(0)
+
+
+# ------------------------------------------------------------------------- toy models
+
+
+def trigram_table(seed: int, vocab: int, zeros: int = 1, alpha: float = 0.6) -> np.ndarray:
+    """[V, V, V]: table[a, b] = next-token distribution after tokens (a, b), some zeros."""
+    rng = np.random.default_rng(seed)
+    table = rng.dirichlet(np.full(vocab, alpha), size=(vocab, vocab))
+    for a in range(vocab):
+        for b in range(vocab):
+            table[a, b, rng.choice(vocab, size=zeros, replace=False)] = 0.0
+    return table / table.sum(axis=-1, keepdims=True)
+
+
+def draw(weights: list[float], rng) -> int:
+    """Independent plain-Python inverse CDF, used to sample drafts inside the tests."""
+    u = rng.random() * sum(weights)
+    acc, last = 0.0, 0
+    for i, w in enumerate(weights):
+        if w > 0:
+            acc += w
+            last = i
+            if u < acc:
+                return i
+    return last
+
+
+def exact_joint(P: np.ndarray, n_tokens: int) -> np.ndarray:
+    """Exact distribution of the first n_tokens the target alone would emit, flattened."""
+    vocab = P.shape[0]
+    out = np.zeros(vocab**n_tokens)
+    for idx in range(vocab**n_tokens):
+        seq = [int(d) for d in np.base_repr(idx, vocab).zfill(n_tokens)]
+        ctx, prob = list(START), 1.0
+        for t in seq:
+            prob *= P[ctx[-2], ctx[-1], t]
+            ctx.append(t)
+        out[idx] = prob
+    return out
+
+
+def emitted_counts(step, n_tokens: int, vocab: int, seed: int) -> np.ndarray:
+    """Run ``step(ctx, rng) -> emitted tokens`` until n_tokens are out, N_SAMPLES times."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(vocab**n_tokens, dtype=np.int64)
+    for _ in range(N_SAMPLES):
+        ctx = list(START)
+        while len(ctx) - len(START) < n_tokens:
+            ctx += step(ctx, rng)
+        idx = 0
+        for t in ctx[len(START) : len(START) + n_tokens]:
+            idx = idx * vocab + t
+        counts[idx] += 1
+    return counts
+
+
+def chain_step(P, Q, k, verify):
+    """One speculative step: draft k tokens from Q (sampled), verify against P."""
+    q_lists = Q.tolist()
+
+    def step(ctx, rng):
+        c = list(ctx)
+        for _ in range(k):
+            c.append(draw(q_lists[c[-2]][c[-1]], rng))
+        draft = c[len(ctx) :]
+        a, b = c[len(ctx) - 2 : -1], c[len(ctx) - 1 :]  # row i's context ends with (a[i], b[i])
+        n, nxt = verify(np.array(draft, dtype=np.int64), P[a, b], Q[a[:k], b[:k]], rng)
+        return draft[:n] + [nxt]
+
+    return step
+
+
+def lookup_step(P, table, k, verify):
+    """Deterministic drafter: the draft after (a, b) is table[a, b]; q is None."""
+
+    def step(ctx, rng):
+        c = list(ctx)
+        for _ in range(k):
+            c.append(int(table[c[-2], c[-1]]))
+        draft = c[len(ctx) :]
+        a, b = c[len(ctx) - 2 : -1], c[len(ctx) - 1 :]
+        n, nxt = verify(np.array(draft, dtype=np.int64), P[a, b], None, rng)
+        return draft[:n] + [nxt]
+
+    return step
+
+
+# Deliberately wrong rules for negative controls.
+
+
+def accept_always(draft, p, q, rng):
+    return len(draft), sample_from(p[len(draft)], rng)
+
+
+def recover_from_target(draft, p, q, rng):
+    """Rejects correctly but resamples from p instead of the residual max(0, p - q)."""
+    for i, x in enumerate(draft):
+        if not rng.random() * q[i, x] < p[i, x]:
+            return i, sample_from(p[i], rng)
+    return len(draft), sample_from(p[len(draft)], rng)
+
+
+def resample_on_mismatch(draft, p, q, rng):
+    """Deterministic-drafter bug: on a mismatch draws a fresh token instead of keeping y."""
+    for i, x in enumerate(draft):
+        if sample_from(p[i], rng) != x:
+            return i, sample_from(p[i], rng)
+    return len(draft), sample_from(p[len(draft)], rng)
+
+
+# ------------------------------------------------------------------ exact, table-driven
+
+
+@pytest.mark.parametrize(
+    "draft, target_argmax, expected",
+    [
+        ([5, 6, 7], [5, 6, 7, 8], (3, 8)),  # all accepted: bonus
+        ([5, 6, 7], [4, 6, 7, 8], (0, 4)),  # none: correction at 0
+        ([5, 6, 7], [5, 6, 9, 8], (2, 9)),  # middle
+        ([5, 6, 7], [5, 1, 7, 8], (1, 1)),  # later matches after a mismatch do not count
+        ([], [3], (0, 3)),  # no drafts
+    ],
+)
+def test_verify_greedy_table(draft, target_argmax, expected):
+    assert verify_greedy(np.array(draft, dtype=np.int64), np.array(target_argmax)) == expected
+
+
+def _onehot(i, v=4):
+    row = np.zeros(v)
+    row[i] = 1.0
+    return row
+
+
+@pytest.mark.parametrize(
+    "draft, p, q, us, expected",
+    [
+        # p == q: accepted whatever u is, bonus from p[K]
+        (
+            [1, 2],
+            [_onehot(1), _onehot(2), _onehot(3)],
+            [_onehot(1), _onehot(2)],
+            [0.99, 0.99, 0.5],
+            (2, 3),
+        ),
+        # p[x] == 0: rejected even at u = 0; recovered from max(0, p - q) = onehot(0)
+        ([1], [_onehot(0), _onehot(3)], [_onehot(1)], [0.0, 0.7], (0, 0)),
+        # q[x] == 0 (caller bug): rejected even though u * q < p would hold
+        ([2], [[0.5, 0, 0.5, 0], _onehot(3)], [_onehot(1)], [0.0, 0.99], (0, 2)),
+        # ratio p/q = 0.5: u = 0.49 accepts, u = 0.5 rejects
+        ([0], [[0.3, 0.7, 0, 0], _onehot(2)], [[0.6, 0.4, 0, 0]], [0.49, 0.1], (1, 2)),
+        ([0], [[0.3, 0.7, 0, 0], _onehot(2)], [[0.6, 0.4, 0, 0]], [0.5, 0.1], (0, 1)),
+        # residual of [0.3,0.7] - [0.6,0.4] is onehot(1) even though p[1] < 1
+        ([0], [[0.3, 0.7, 0, 0], _onehot(2)], [[0.6, 0.4, 0, 0]], [0.9, 0.0], (0, 1)),
+    ],
+)
+def test_verify_sampling_table(draft, p, q, us, expected):
+    p, q = np.array(p, dtype=float), np.array(q, dtype=float)
+    got = verify_sampling(np.array(draft), p, q, FixedU(*us))
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    "draft, p, us, expected",
+    [
+        ([1, 2], [_onehot(1), _onehot(2), _onehot(0)], [0.3, 0.3, 0.3], (2, 0)),
+        # y ~ p[0] = [0.5, 0.5]: u = 0.7 -> y = 1 != draft 0, and y is the next token
+        ([0, 2], [[0.5, 0.5, 0, 0], _onehot(2), _onehot(0)], [0.7], (0, 1)),
+        ([0, 2], [[0.5, 0.5, 0, 0], [0, 0.5, 0, 0.5], _onehot(0)], [0.2, 0.9], (1, 3)),
+    ],
+)
+def test_verify_sampling_deterministic_drafter_table(draft, p, us, expected):
+    assert verify_sampling(np.array(draft), np.array(p, dtype=float), None, FixedU(*us)) == expected
+
+
+def test_recovered_distribution_values_and_fallback():
+    np.testing.assert_allclose(
+        recovered_distribution(np.array([0.5, 0.3, 0.2, 0.0]), np.array([0.1, 0.5, 0.2, 0.2])),
+        [1.0, 0.0, 0.0, 0.0],
+    )
+    np.testing.assert_allclose(
+        recovered_distribution(np.array([0.4, 0.4, 0.2]), np.array([0.2, 0.2, 0.6])),
+        [0.5, 0.5, 0.0],
+    )
+    p = np.array([0.25, 0.75])
+    np.testing.assert_allclose(recovered_distribution(p, p.copy()), p)  # numerical guard
+
+
+def test_scatter_trimmed_places_rows():
+    q_trim = np.array([[0.5, 0.25, 0.25], [0.0, 1.0, 0.0]])
+    q = scatter_trimmed(q_trim, np.array([4, 0, 2]), 6)
+    np.testing.assert_array_equal(
+        q, [[0.25, 0, 0.25, 0, 0.5, 0], [1.0, 0, 0, 0, 0, 0]]
+    )
+    assert scatter_trimmed(q_trim[0], np.array([4, 0, 2]), 6).shape == (6,)
+
+
+@pytest.mark.parametrize(
+    "id_map, match",
+    [
+        ([4, 0, 6], "range"),
+        ([4, -1, 2], "range"),
+        ([4, 0, 4], "duplicate"),
+        ([4, 0], "one entry per"),
+        ([4.0, 0.0, 2.0], "integer"),
+    ],
+)
+def test_scatter_trimmed_validates_id_map(id_map, match):
+    with pytest.raises(ValueError, match=match):
+        scatter_trimmed(np.full((2, 3), 1 / 3), np.array(id_map), 6)
+
+
+def test_verify_sampling_is_reproducible_with_a_seed():
+    P = trigram_table(0, 6)
+    Q = trigram_table(1, 6)
+    step = chain_step(P, Q, 4, verify_sampling)
+    runs = [[step(list(START), np.random.default_rng(s)) for s in range(50)] for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+# ------------------------------------------------------------------ statistical tests
+
+
+@pytest.mark.parametrize("vocab, k, n_tokens", [(6, 1, 1), (8, 3, 1), (5, 2, 2), (4, 4, 2)])
+def test_chain_sampling_is_lossless(vocab, k, n_tokens):
+    P = trigram_table(10 + vocab, vocab)
+    Q = trigram_table(20 + vocab, vocab, zeros=2)
+    counts = emitted_counts(chain_step(P, Q, k, verify_sampling), n_tokens, vocab, seed=k)
+    check = compare_to_distribution(counts, exact_joint(P, n_tokens))
+    assert check.ok, check
+
+
+def test_trimmed_vocabulary_drafter_is_lossless():
+    vocab, id_map = 6, np.array([4, 0, 2])  # the drafter only knows tokens 4, 0, 2
+    P = trigram_table(30, vocab, zeros=0)
+    Q_trim = np.random.default_rng(31).dirichlet(np.full(3, 0.8), size=(vocab, vocab))
+    Q_full = scatter_trimmed(Q_trim, id_map, vocab)  # [V, V, V]
+
+    q_trim_lists = Q_trim.tolist()
+
+    def step(ctx, rng):
+        c = list(ctx)
+        for _ in range(3):
+            j = draw(q_trim_lists[c[-2]][c[-1]], rng)  # sampled in the drafter's own vocabulary
+            c.append(int(id_map[j]))
+        draft = c[len(ctx) :]
+        a, b = c[len(ctx) - 2 : -1], c[len(ctx) - 1 :]
+        n, nxt = verify_sampling(np.array(draft), P[a, b], Q_full[a[:3], b[:3]], rng)
+        return draft[:n] + [nxt]
+
+    counts = emitted_counts(step, 2, vocab, seed=32)
+    check = compare_to_distribution(counts, exact_joint(P, 2))
+    assert check.ok, check
+
+
+@pytest.mark.parametrize("vocab, k", [(5, 3), (7, 2)])
+def test_deterministic_drafter_chain_is_lossless(vocab, k):
+    P = trigram_table(40 + vocab, vocab, zeros=2)
+    table = np.random.default_rng(41).integers(0, vocab, size=(vocab, vocab))  # hits p = 0 too
+    counts = emitted_counts(lookup_step(P, table, k, verify_sampling), 2, vocab, seed=42)
+    check = compare_to_distribution(counts, exact_joint(P, 2))
+    assert check.ok, check
+
+
+@pytest.mark.parametrize(
+    "make_step",
+    [
+        pytest.param(lambda P, Q, T: chain_step(P, Q, 2, accept_always), id="accept-always"),
+        pytest.param(lambda P, Q, T: chain_step(P, Q, 2, recover_from_target), id="recover-from-p"),
+        pytest.param(
+            lambda P, Q, T: lookup_step(P, T, 3, resample_on_mismatch), id="lookup-resample"
+        ),
+    ],
+)
+def test_negative_controls_fail_the_same_check(make_step):
+    vocab = 5
+    P = trigram_table(15, vocab)
+    Q = trigram_table(25, vocab, zeros=2)
+    table = np.random.default_rng(41).integers(0, vocab, size=(vocab, vocab))
+    counts = emitted_counts(make_step(P, Q, table), 2, vocab, seed=2)
+    check = compare_to_distribution(counts, exact_joint(P, 2))
+    assert not check.ok, check
+
+
+# ------------------------------------------------------------------ property-based tests
+
+prob_entry = st.sampled_from([0.0, 0.0, 0.1, 0.25, 0.25, 1.0, 2.0]) | st.floats(0.0, 1.0)
+
+
+@st.composite
+def chain_case(draw_, with_q=True):
+    vocab = draw_(st.integers(2, 6))
+    k = draw_(st.integers(0, 5))
+
+    def dist():
+        row = np.array(draw_(st.lists(prob_entry, min_size=vocab, max_size=vocab)))
+        if row.sum() <= 0:
+            row[draw_(st.integers(0, vocab - 1))] = 1.0
+        return row / row.sum()
+
+    p = np.stack([dist() for _ in range(k + 1)])
+    q = np.stack([dist() for _ in range(k)]) if k else np.zeros((0, vocab))
+    # drafts mostly from q's support, sometimes anything (a caller bug must not crash)
+    draft = [
+        draw_(st.sampled_from(np.flatnonzero(q[i] > 0).tolist()) | st.integers(0, vocab - 1))
+        for i in range(k)
+    ]
+    seed = draw_(st.integers(0, 2**32 - 1))
+    return np.array(draft, dtype=np.int64), p, (q if with_q else None), seed
+
+
+@PROPERTY
+@given(case=chain_case(with_q=True) | chain_case(with_q=False))
+def test_verify_sampling_outputs_are_possible(case):
+    draft, p, q, seed = case
+    n, nxt = verify_sampling(draft, p, q, np.random.default_rng(seed))
+    assert 0 <= n <= len(draft)
+    for i in range(n):  # an accepted draft is possible under both target and drafter
+        assert p[i, draft[i]] > 0 and (q is None or q[i, draft[i]] > 0)
+    assert p[n, nxt] > 0  # recovered/bonus tokens come from p's support
+    if q is not None and n < len(draft):
+        assert nxt in np.flatnonzero(recovered_distribution(p[n], q[n]) > 0)
+
+
+@PROPERTY
+@given(
+    k=st.integers(0, 8),
+    data=st.data(),
+)
+def test_verify_greedy_matches_slow_loop(k, data):
+    draft = data.draw(st.lists(st.integers(0, 2), min_size=k, max_size=k))
+    target = data.draw(st.lists(st.integers(0, 2), min_size=k + 1, max_size=k + 1))
+    n = 0
+    while n < k and draft[n] == target[n]:
+        n += 1
+    assert verify_greedy(np.array(draft, dtype=np.int64), np.array(target)) == (n, target[n])
