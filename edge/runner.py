@@ -43,6 +43,7 @@ class GraphSession:
         self._logits = np.zeros((1, 1, graph.vocab), np.float32)  # grown on demand to the widest call seen
         self._keep = np.zeros(1, np.int64)
         self.calls = 0
+        self.min_call = 1
         b = self.sess.io_binding()
         self._kv_values = []
         for i in range(graph.layers):
@@ -52,14 +53,31 @@ class GraphSession:
                 b.bind_ortvalue_input(f"past_key_values.{i}.{kind}", v)
                 b.bind_ortvalue_output(f"present.{i}.{kind}", v)
         self.binding = b
+        self.min_call = self._probe_min_call()
 
+    def _probe_min_call(self) -> int:
+        """Lossless speculation needs a token's logits not to depend on how many tokens share its call. Some
+        kernels (MatMulNBits with int8 activations) take a different path for a single row; if a 1-token call
+        disagrees with the same token inside a 2-token call, every call is padded to at least 2 rows."""
+        if self.cache.capacity < 8:
+            return 1
+        ids = [1, 2, 3]
+        self.forward(ids[:2])
+        self.cache.append(2)
+        one = self.forward(ids[2:]).copy()
+        two = self.forward(ids[2:] + [0])[0].copy()
+        self.cache.trim(2)
+        return 1 if np.array_equal(one, two) else 2
     def causal_bias(self, s: int) -> np.ndarray:
         """[1, 1, S, length + S]: the committed prefix plus a causal block for the S new tokens."""
         t = self.cache.length + s
         if s == 1:
             return self._zeros[:t].reshape(1, 1, 1, t)
         bias = np.zeros((1, 1, s, t), np.float32)
-        bias[0, 0, :, t - s :] = self._tri[:s, :s]
+        if s <= self._tri.shape[0]:
+            bias[0, 0, :, t - s :] = self._tri[:s, :s]
+        else:
+            bias[0, 0, :, t - s :] = np.where(np.tril(np.ones((s, s), bool)), 0, NEG)
         return bias
 
     def forward(self, tokens, positions=None, bias=None, keep: int = 0) -> np.ndarray:
@@ -67,6 +85,8 @@ class GraphSession:
         Returns logits [R, V] (R = S, or `keep` last rows) — a view valid until the next call."""
         ids = np.asarray(tokens, np.int64).reshape(1, -1)
         s = ids.shape[1]
+        if s < self.min_call:
+            return self._forward_padded(ids, positions, bias, keep)
         if s > self.max_call and keep == 0:
             raise ValueError(f"{s} tokens in one call with all logits kept (max {self.max_call})")
         self.cache.check_room(s)
@@ -89,6 +109,18 @@ class GraphSession:
         self.sess.run_with_iobinding(b)
         self.calls += 1
         return out[0]
+
+    def _forward_padded(self, ids, positions, bias, keep) -> np.ndarray:
+        """A 1-token call as the first row of a 2-row call; the pad row sees only itself, its K/V lands in a
+        slot past the committed length (never visible) and its logits are dropped."""
+        t = self.cache.length + 2
+        self.cache.check_room(2)
+        pos = np.arange(self.cache.length, t, dtype=np.int64) if positions is None else \
+            np.append(np.asarray(positions, np.int64).reshape(-1), 0)
+        b2 = np.full((1, 1, 2, t), NEG, np.float32)
+        b2[0, 0, 0, : t - 1] = 0 if bias is None else np.asarray(bias, np.float32).reshape(-1)
+        b2[0, 0, 1, t - 1] = 0
+        return self.forward(np.append(ids.reshape(-1), ids[0, 0]), pos, b2, keep=0)[:1]
 
     def prefill(self, tokens, chunk: int = 512) -> np.ndarray:
         """Commit `tokens` in chunks (bounded activation memory); logits [V] of the last one."""

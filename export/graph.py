@@ -105,8 +105,12 @@ def rotary_tables(head_dim: int, theta: float, max_len: int) -> tuple[np.ndarray
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None = None) -> onnx.ModelProto:
-    """The target graph (all layers, full vocabulary) or a drafter (`opts.layers`, `vocab_ids` = kept target ids)."""
+def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None = None,
+                adapter: np.ndarray | None = None) -> onnx.ModelProto:
+    """The target graph (all layers, full vocabulary) or a drafter (`opts.layers`, `vocab_ids` = kept target ids).
+
+    `adapter` [hidden, hidden] (drafters only): a correction fitted at export time, applied to the last layer's
+    residual stream before the final norm (h ← h @ adapter), so an early exit looks more like the full model."""
     c = ck.config
     n_layers = opts.layers or c.layers
     if not 1 <= n_layers <= c.layers:
@@ -173,6 +177,12 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
         down = g.linear(act, L("mlp.down_proj.weight"), f"l{i}/down", bits)
         last = i == n_layers - 1
         norm_w = w["model.norm.weight"] if last else w[f"model.layers.{i + 1}.input_layernorm.weight"]
+        if last and adapter is not None:
+            h = g.node("Add", [down, residual], name="final_residual")[0]
+            h = g.node("MatMul", [h, g.init("adapter", adapter.astype(g.np_ft))], name="adapter")[0]
+            x = g.node("SimplifiedLayerNormalization", [h, g.init("final_norm", norm_w.astype(g.np_ft))],
+                       name="final_norm", axis=-1, epsilon=eps, stash_type=1)[0]
+            break
         x, _, _, residual = g.node("SkipSimplifiedLayerNormalization",
                                    [down, residual, g.init(f"l{i + 1}.input_norm" if not last else "final_norm", norm_w.astype(g.np_ft))],
                                    domain=MS, name=f"l{i + 1}/input_norm" if not last else "final_norm", n_out=4, epsilon=eps)

@@ -24,9 +24,12 @@ def _rotate(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
-def forward(ck: Checkpoint, ids, positions=None, mask=None, layers: int | None = None) -> np.ndarray:
+def forward(ck: Checkpoint, ids, positions=None, mask=None, layers: int | None = None,
+            adapter: np.ndarray | None = None, return_hidden: bool = False) -> np.ndarray:
     """ids [S] → logits [S, V]. `positions` [S] default 0..S-1; `mask` bool [S, S] (True = may attend),
-    default causal. `layers` < config.layers gives the early-exit drafter's logits (final norm + LM head)."""
+    default causal. `layers` < config.layers gives the early-exit drafter's logits (final norm + LM head);
+    `adapter` [H, H] is applied to the residual stream before the final norm; `return_hidden` returns the
+    residual stream [S, H] after the last layer run instead of logits."""
     c = ck.config
     ids = np.asarray(ids, dtype=np.int64)
     S = ids.shape[0]
@@ -53,4 +56,8 @@ def forward(ck: Checkpoint, ids, positions=None, mask=None, layers: int | None =
         x = _rms(h, L("post_attention_layernorm.weight"), c.rms_eps)
         g = x @ L("mlp.gate_proj.weight").T
         h = h + ((g / (1 + np.exp(-g))) * (x @ L("mlp.up_proj.weight").T)) @ L("mlp.down_proj.weight").T
+    if return_hidden:
+        return h
+    if adapter is not None:
+        h = h @ adapter
     return _rms(h, w["model.norm.weight"], c.rms_eps) @ ck.lm_head.T

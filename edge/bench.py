@@ -1,0 +1,193 @@
+"""edge-bench: decode speed of several drafter modes on one loaded model, over a JSONL prompt file.
+
+Modes alternate per prompt (so drift of the machine's speed hits every mode alike), each prompt is repeated
+--reps times, and figures are medians. Every mode's greedy output is compared token for token with `none`.
+Writes JSON (per prompt and per category) and a markdown table; asserts nothing about speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "public.jsonl"
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="edge-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("prompts", nargs="?", default=str(DEFAULT_PROMPTS),
+                    help="JSONL file of {id, category, turns: [...]} (default: ../shared/workloads/public.jsonl)")
+    ap.add_argument("--model", metavar="DIR", help="exported model directory (default: embedded model)")
+    ap.add_argument("--modes", default="none,lookup,model", help="comma-separated drafter modes (default none,lookup,model)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per prompt and mode (default 3)")
+    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per answer (default 128)")
+    ap.add_argument("--limit", type=int, default=0, help="prompts per category (default: all)")
+    ap.add_argument("--categories", help="comma-separated categories to run (default: all)")
+    ap.add_argument("--second-turn", metavar="TEXT",
+                    help="after each first answer, send TEXT as a second turn (e.g. a rewrite request); measured "
+                         "under category '<cat>+turn2'")
+    ap.add_argument("--draft-len", type=int, help="draft length override")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="bench-out/edge-bench.json", help="JSON output (default bench-out/edge-bench.json)")
+    ap.add_argument("--quiet", action="store_true")
+    return ap
+
+
+def _load_items(path: str, limit: int, cats: str | None) -> list[dict]:
+    items = [json.loads(l) for l in open(path) if l.strip()]
+    want = set(cats.split(",")) if cats else None
+    by: dict[str, list] = {}
+    for it in items:
+        c = it.get("category", "?")
+        if want and c not in want:
+            continue
+        if not limit or len(by.get(c, [])) < limit:
+            by.setdefault(c, []).append(it)
+    return [it for c in sorted(by) for it in by[c]]
+
+
+def _run_one(engine, it: dict, mode: str, a) -> list[dict]:
+    """One item through one mode: each turn of the item (plus --second-turn) as a chat; one record per turn."""
+    engine.reset()
+    chat = engine.chat()
+    turns = list(it["turns"]) + ([a.second_turn] if a.second_turn else [])
+    recs = []
+    for t, text in enumerate(turns):
+        r = chat.ask(text, max_tokens=a.max_tokens, drafter=mode, draft_len=a.draft_len)
+        st = r.stats
+        recs.append({"id": it["id"], "category": it.get("category", "?") + (f"+turn{t + 1}" if t else ""),
+                     "mode": mode, "turn": t, "tokens": r.token_ids, "n_gen": st.generated,
+                     "prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens,
+                     "prefill_ms": 1000 * st.prefill_s, "decode_s": st.decode_s, "decode_tok_s": st.decode_tok_s,
+                     "steps": st.steps, "drafted": st.drafted, "accepted": st.accepted,
+                     "mean_accepted": st.mean_accepted, "target_s": st.target_s, "draft_s": st.draft_s,
+                     "overhead_ms_per_step": st.overhead_ms_per_step})
+    return recs
+
+
+def summarize(runs: list[dict], modes: list[str]) -> dict:
+    med = statistics.median
+    # per (prompt, turn, mode): median over reps
+    cell: dict[tuple, list] = {}
+    for r in runs:
+        cell.setdefault((r["id"], r["turn"], r["category"], r["mode"]), []).append(r)
+    per = {}
+    for (pid, turn, cat, mode), rs in cell.items():
+        per[(pid, turn, cat, mode)] = {
+            "decode_tok_s": med(r["decode_tok_s"] for r in rs),
+            "mean_accepted": med(r["mean_accepted"] for r in rs),
+            "overhead_ms_per_step": med(r["overhead_ms_per_step"] for r in rs),
+            "target_ms_per_step": med(1000 * r["target_s"] / max(1, r["steps"]) for r in rs),
+            "draft_ms_per_step": med(1000 * r["draft_s"] / max(1, r["steps"]) for r in rs),
+            "tokens": rs[0]["tokens"],
+        }
+    cats = sorted({k[2] for k in per})
+    out = {}
+    for c in cats:
+        row = {}
+        keys = sorted({(k[0], k[1]) for k in per if k[2] == c})
+        for m in modes:
+            vals = [per[(p, t, c, m)] for p, t in keys if (p, t, c, m) in per]
+            if not vals:
+                continue
+            ref = [per.get((p, t, c, "none")) for p, t in keys]
+            same = [per[(p, t, c, m)]["tokens"] == per[(p, t, c, "none")]["tokens"]
+                    for p, t in keys if (p, t, c, m) in per and (p, t, c, "none") in per]
+            ratios = [per[(p, t, c, m)]["decode_tok_s"] / r["decode_tok_s"]
+                      for (p, t), r in zip(keys, ref) if r and (p, t, c, m) in per and r["decode_tok_s"] > 0]
+            row[m] = {
+                "decode_tok_s": round(med(v["decode_tok_s"] for v in vals), 1),
+                "ratio_vs_none": round(med(ratios), 3) if ratios else None,
+                "mean_accepted": round(med(v["mean_accepted"] for v in vals), 3),
+                "target_ms_per_step": round(med(v["target_ms_per_step"] for v in vals), 2),
+                "draft_ms_per_step": round(med(v["draft_ms_per_step"] for v in vals), 2),
+                "overhead_ms_per_step": round(med(v["overhead_ms_per_step"] for v in vals), 3),
+                "identical_to_none": f"{sum(same)}/{len(same)}" if same else None,
+            }
+        out[c] = row
+    return out
+
+
+def markdown(summary: dict, modes: list[str]) -> str:
+    head = "| category | " + " | ".join(f"{m} tok/s (×none, acc/step, same)" for m in modes) + " |"
+    lines = [head, "|" + "---|" * (len(modes) + 1)]
+    for c, row in summary.items():
+        cells = []
+        for m in modes:
+            v = row.get(m)
+            cells.append("—" if not v else f"{v['decode_tok_s']} (×{v['ratio_vs_none']}, {v['mean_accepted']}, "
+                                           f"{v['identical_to_none']})")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    import edge
+    from edge import EngineError, ModelDirError
+
+    from .cli import peak_rss_mb
+
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if "none" not in modes:
+        modes.insert(0, "none")  # the reference every other mode is compared with
+    try:
+        items = _load_items(a.prompts, a.limit, a.categories)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"edge-bench: error: cannot read prompts {a.prompts}: {e}", file=sys.stderr)
+        return 2
+    if not items:
+        print(f"edge-bench: error: no prompts selected from {a.prompts}", file=sys.stderr)
+        return 2
+    try:
+        engine = edge.load(a.model, drafter="auto", threads=a.threads)
+    except (EngineError, ModelDirError) as e:
+        print(f"edge-bench: error: {e}", file=sys.stderr)
+        return 2
+    bar = None
+    if not a.quiet:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=a.reps * len(items) * len(modes), desc="edge-bench", file=sys.stderr)
+        except ImportError:
+            pass
+    runs = []
+    _run_one(engine, items[0], "none", a)  # warm-up
+    t0 = time.time()
+    try:
+        for rep in range(a.reps):
+            for i, it in enumerate(items):
+                order = modes[i % len(modes):] + modes[: i % len(modes)]  # rotate: no mode always runs first
+                for m in order:
+                    for rec in _run_one(engine, it, m, a):
+                        rec["rep"] = rep
+                        runs.append(rec)
+                    if bar:
+                        bar.update(1)
+    except KeyboardInterrupt:
+        print("edge-bench: interrupted; summarizing what ran", file=sys.stderr)
+    if bar:
+        bar.close()
+    summary = summarize(runs, modes)
+    m = engine.manifest
+    doc = {"summary": summary, "modes": modes, "reps": a.reps, "max_tokens": a.max_tokens,
+           "model": m.name, "precision": m.target.precision, "threads": a.threads,
+           "peak_rss_mb": round(peak_rss_mb(), 1), "wall_s": round(time.time() - t0, 1),
+           "min_call": engine.target.min_call, "runs": runs}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc))
+    md = markdown(summary, modes)
+    out.with_suffix(".md").write_text(md + "\n")
+    print(json.dumps({"summary": summary, "peak_rss_mb": doc["peak_rss_mb"]}, indent=1))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

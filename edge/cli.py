@@ -1,0 +1,149 @@
+"""edge-chat: chat with a local model in the terminal (streaming, multi-turn, speculative decoding)."""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+HELP = "commands: /reset (forget the conversation)  /stats (last answer's counters)  /help  /quit"
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process and its children, MB (Linux reports KiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return peak / 1e6 if sys.platform == "darwin" else peak * 1024 / 1e6  # macOS reports bytes, Linux KiB
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="edge-chat",
+        description="Chat with a local model through edgespec. With no --model, the embedded SmolLM2-135M-Instruct "
+                    "is exported into the cache on first run (about two minutes) and reused afterwards.",
+        epilog=HELP + "\nCtrl-C stops the current answer and keeps the conversation; Ctrl-D or /quit exits.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", metavar="DIR", help="exported model directory (edge-export); default: embedded model")
+    ap.add_argument("--drafter", choices=["auto", "model", "lookup", "none"], default="auto",
+                    help="speculative drafter: model = exported early-exit drafter, lookup = prompt/history n-gram "
+                         "lookup, none = plain decoding (the lossless reference), auto = chosen from the export's "
+                         "measured drafter quality (default)")
+    ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off (default)")
+    ap.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    ap.add_argument("--max-tokens", type=int, default=512, help="maximum tokens per answer (default 512)")
+    ap.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    ap.add_argument("--system", help="system prompt")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads for ONNX Runtime (default 2)")
+    ap.add_argument("--context", type=int, default=4096, help="context window in tokens (default 4096)")
+    ap.add_argument("--device", help="device profile for the memory planner (see edge-profile --list)")
+    ap.add_argument("--budget-mb", type=float, help="memory budget in MB for the planner")
+    ap.add_argument("--prompt", help="answer this one prompt and exit (no REPL)")
+    ap.add_argument("--json", action="store_true",
+                    help="with --prompt: print one JSON object (text, token ids, prefill ms, decode tokens/s, "
+                         "drafted/accepted, mean accepted length, peak RSS)")
+    return ap
+
+
+def _params(a) -> dict:
+    return dict(max_tokens=a.max_tokens, temperature=a.temp, top_p=a.top_p, top_k=a.top_k, seed=a.seed,
+                stop=tuple(a.stop))
+
+
+def _stats_line(st) -> str:
+    return (f"[{st.generated} tokens, {st.decode_tok_s:.1f} tok/s decode, prefill {1000 * st.prefill_s:.0f} ms "
+            f"({st.reused_tokens} of {st.prompt_tokens} prompt tokens reused), drafter {st.drafter}: "
+            f"{st.accepted}/{st.drafted} drafts accepted, {st.mean_accepted:.2f} tokens/step]")
+
+
+def _result_json(r, st) -> dict:
+    return {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
+            "prefill_ms": round(1000 * st.prefill_s, 2), "decode_tok_s": round(st.decode_tok_s, 2),
+            "drafter": st.drafter, "drafted": st.drafted, "accepted": st.accepted, "steps": st.steps,
+            "mean_accepted_len": round(st.mean_accepted, 3), "prompt_tokens": st.prompt_tokens,
+            "peak_rss_mb": round(peak_rss_mb(), 1)}
+
+
+def _repl(engine, a) -> int:
+    chat = engine.chat(system=a.system)
+    print(f"edgespec · {engine.manifest.name} · drafter {engine.default_drafter} · {HELP}", file=sys.stderr)
+    last = None
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if cmd in ("/quit", "/exit"):
+            return 0
+        if cmd == "/reset":
+            chat.reset()
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if cmd == "/help":
+            print(HELP, file=sys.stderr)
+            continue
+        if cmd == "/stats":
+            print(json.dumps(last.to_dict() if last else {}, indent=2) + f"\npeak RSS {peak_rss_mb():.0f} MB",
+                  file=sys.stderr)
+            continue
+        stream = chat.send(line, **_params(a), drafter=a.drafter)
+        try:
+            for ch in stream:
+                sys.stdout.write(ch.text)
+                sys.stdout.flush()
+            print()
+        except KeyboardInterrupt:
+            stream.close()  # the chat keeps what was shown; the KV cache is rolled back to it
+            print("\n(stopped)", file=sys.stderr)
+        except Exception as e:  # keep the session alive on a bad request
+            from . import EngineError
+
+            if not isinstance(e, EngineError):
+                raise
+            print(f"error: {e}", file=sys.stderr)
+        last = engine.last_stats
+        print(_stats_line(last), file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    import edge
+    from edge import EngineError, ModelDirError
+
+    try:
+        t = time.perf_counter()
+        engine = edge.load(a.model, drafter=a.drafter, device=a.device, budget_mb=a.budget_mb, threads=a.threads,
+                           context=a.context)
+        load_s = time.perf_counter() - t
+        if a.prompt is None:
+            if a.json:
+                print("edge-chat: error: --json needs --prompt", file=sys.stderr)
+                return 2
+            return _repl(engine, a)
+        if a.json:
+            r = engine.generate(a.prompt, **_params(a), drafter=a.drafter)
+            out = _result_json(r, r.stats)
+            out["load_s"] = round(load_s, 2)
+            print(json.dumps(out))
+        else:
+            for ch in engine.stream(a.prompt, **_params(a), drafter=a.drafter):
+                sys.stdout.write(ch.text)
+                sys.stdout.flush()
+            print()
+            print(_stats_line(engine.last_stats), file=sys.stderr)
+        return 0
+    except (EngineError, ModelDirError, ValueError) as e:
+        print(f"edge-chat: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nedge-chat: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

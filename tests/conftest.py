@@ -1,0 +1,208 @@
+"""Shared fixtures for the exporter tests: tiny random checkpoints built here (no downloads) and one fp32 export.
+
+Weights are re-drawn at O(1) scale (not transformers' 0.02 init) so logits spread over several units and top-1
+comparisons mean something; norms and biases are random too, so a dropped norm weight or bias shows up.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 384  # 3 specials + 256 byte symbols + 125 merges
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+BOS, EOS = 1, 2
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+MAX_LEN = 256  # KV capacity of the session export
+TINY_EXPORT_DRAFTER = (1, 128)
+
+
+# ----------------------------------------------------------------------------- builders (plain functions)
+
+def build_tokenizer(out_dir: Path) -> None:
+    """A byte-level BPE trained on the calibration prompts: encodes any text, VOCAB ids, specials 0..2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from export import calibration
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(calibration.PROMPTS * 3, trainer)
+    assert tok.get_vocab_size() == VOCAB, tok.get_vocab_size()
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": CHAT_TEMPLATE, "bos_token": SPECIALS[BOS], "eos_token": SPECIALS[EOS],
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def _redraw(model, seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name or name == "lm_head.weight":  # logits std ≈ 2: top-1 not trivial
+                p.copy_(0.25 * torch.randn(p.shape, generator=g))
+            else:  # Linear [out, in]
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+
+
+def build_checkpoint(out_dir: Path, family: str = "llama", tie: bool = True, layers: int = 2, seed: int = 0,
+                     dtype: str = "float32"):
+    """A tiny random HF checkpoint directory (config, safetensors, tokenizer); returns the torch model (fp32)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0,
+              rms_norm_eps=1e-6, tie_word_embeddings=tie, bos_token_id=BOS, eos_token_id=EOS)
+    torch.manual_seed(seed)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**kw, use_sliding_window=False)).eval()
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**kw)).eval()
+    _redraw(model, seed)
+    if tie:
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    model.to(getattr(torch, dtype)).save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer(out_dir)
+    return model.float()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("ck") / "tiny-llama"
+    build_checkpoint(d, "llama", tie=True, layers=3, seed=1)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("ck") / "tiny-qwen2"
+    build_checkpoint(d, "qwen2", tie=True, layers=2, seed=2)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("ck") / "tiny-untied"
+    build_checkpoint(d, "llama", tie=False, layers=2, seed=3)
+    return d
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dirs(tiny_llama_dir, tiny_qwen2_dir, tiny_untied_dir) -> dict[str, Path]:
+    return {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir, "untied": tiny_untied_dir}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_llama_dir):
+    from export.checkpoint import load_hf_dir
+
+    return load_hf_dir(tiny_llama_dir)
+
+
+# ----------------------------------------------------------------------------- one export per session
+
+def tiny_export_options(**kw):
+    from export.pipeline import ExportOptions
+
+    return ExportOptions(**{**dict(precision="fp32", drafters=(TINY_EXPORT_DRAFTER,), calib_new_tokens=8,
+                                   max_len=MAX_LEN), **kw})
+
+
+@pytest.fixture(scope="session")
+def exported_llama(tmp_path_factory, tiny_llama_dir):
+    """(model_dir, manifest) of the tiny llama exported in fp32 with one early-exit drafter (1 layer, 128 ids).
+    Read-only: tests that modify a model directory copy it first."""
+    from export.pipeline import export_model
+
+    out = tmp_path_factory.mktemp("export") / "tiny-llama"
+    m = export_model(tiny_llama_dir, out, tiny_export_options(), progress=False)
+    return out, m
+
+
+# ----------------------------------------------------------------------------- ORT with shared KV buffers
+
+class SharedKV:
+    """A bare IOBinding session over an exported graph: one [1, kv_heads, capacity, head_dim] buffer per layer
+    and kind, bound as both past and present (what edge.runner does), written independently of edge/ so graph
+    tests do not rely on the runtime."""
+
+    def __init__(self, path, layers: int, kv_heads: int, head_dim: int, capacity: int):
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 2
+        so.log_severity_level = 3
+        self.ort = ort
+        self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.layers = layers
+        self.kv = np.zeros((layers, 2, 1, kv_heads, capacity, head_dim), np.float32)
+        self._vals = [ort.OrtValue.ortvalue_from_numpy(self.kv[i, j]) for i in range(layers) for j in range(2)]
+
+    def run(self, ids, positions, bias, keep: int = 0) -> np.ndarray:
+        """ids [S], positions [S], bias [1, 1, S, T] → logits [R, V] (copied)."""
+        b = self.sess.io_binding()
+        b.bind_cpu_input("input_ids", np.asarray(ids, np.int64).reshape(1, -1))
+        b.bind_cpu_input("position_ids", np.asarray(positions, np.int64).reshape(1, -1))
+        b.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))
+        b.bind_cpu_input("logits_keep", np.array([keep], np.int64))
+        b.bind_output("logits")  # first: copy_outputs_to_cpu() lists outputs in binding order
+        for i in range(self.layers):
+            for j, kind in enumerate(("key", "value")):
+                b.bind_ortvalue_input(f"past_key_values.{i}.{kind}", self._vals[2 * i + j])
+                b.bind_ortvalue_output(f"present.{i}.{kind}", self._vals[2 * i + j])
+        self.sess.run_with_iobinding(b)
+        return b.copy_outputs_to_cpu()[0][0]
+
+
+def causal(s: int, past: int) -> np.ndarray:
+    """Additive bias [1, 1, s, past + s]: all of the past, causal within the s new tokens."""
+    neg = np.finfo(np.float32).min
+    tri = np.where(np.tril(np.ones((s, s), bool)), 0, neg)
+    return np.concatenate([np.zeros((s, past)), tri], 1)[None, None].astype(np.float32)
+
+
+@pytest.fixture
+def shared_kv():
+    return SharedKV
+
+
+@pytest.fixture
+def causal_bias():
+    return causal
+
+
+@pytest.fixture
+def run_export_cli():
+    """`python -m export.cli ARGS` in a subprocess from the repository root → CompletedProcess."""
+    import subprocess
+    import sys
+
+    def run(*args, timeout: float = 120):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+        return subprocess.run([sys.executable, "-m", "export.cli", *map(str, args)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    return run
