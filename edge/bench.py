@@ -22,7 +22,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("prompts", nargs="?", default=str(DEFAULT_PROMPTS),
                     help="JSONL file of {id, category, turns: [...]} (default: ../shared/workloads/public.jsonl)")
     ap.add_argument("--model", metavar="DIR", help="exported model directory (default: embedded model)")
-    ap.add_argument("--modes", default="none,lookup,model", help="comma-separated drafter modes (default none,lookup,model)")
+    ap.add_argument("--modes", default="none,lookup,recycling,hybrid", help="comma-separated drafter modes (default none,lookup,recycling,hybrid)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per prompt and mode (default 3)")
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per answer (default 128)")
     ap.add_argument("--limit", type=int, default=0, help="prompts per category (default: all)")
@@ -52,7 +52,7 @@ def _load_items(path: str, limit: int, cats: str | None) -> list[dict]:
 
 def _run_one(engine, it: dict, mode: str, a) -> list[dict]:
     """One item through one mode: each turn of the item (plus --second-turn) as a chat; one record per turn."""
-    engine.reset()
+    engine.reset(keep_drafter_state=True)  # a long-running assistant keeps Token Recycling's matrix
     chat = engine.chat()
     turns = list(it["turns"]) + ([a.second_turn] if a.second_turn else [])
     recs = []

@@ -205,3 +205,139 @@ def make_drafter(kind: str, engine, params) -> object:
     if kind == "model":
         return engine.model_drafter(params)
     raise ValueError(f"unknown drafter {kind!r}: choose auto, model, lookup or none")
+
+
+def tree_template(nodes: int, rank_prior) -> list[tuple[int, int]]:
+    """A static draft-tree shape for `nodes` nodes: [(parent, rank)] in BFS-compatible order (parent -1 = root).
+    Grown greedily by path probability, the product of per-rank priors along the path (DySpec's rule with
+    static priors), so the tree spends its nodes where acceptance is likeliest."""
+    import heapq
+
+    prior = np.asarray(rank_prior, np.float64)
+    out: list[tuple[int, int]] = []
+    heap = [(-prior[0], -1, 0, 1.0)]  # (-score, parent, rank, parent score)
+    while heap and len(out) < nodes:
+        neg, parent, rank, pscore = heapq.heappop(heap)
+        out.append((parent, rank))
+        me = len(out) - 1
+        score = -neg
+        heapq.heappush(heap, (-score * prior[0], me, 0, score))  # first child
+        if rank + 1 < len(prior):  # next sibling
+            heapq.heappush(heap, (-pscore * prior[rank + 1], parent, rank + 1, pscore))
+    return out
+
+
+class RecyclingDrafter:
+    """Token Recycling (Luo et al., 2024): every verify call's top-k candidates — mostly "trash" that was never
+    emitted — are kept as each token's likely successors in an adjacency matrix [V, k]; a draft tree is read out of
+    it along a static template grown from per-rank acceptance priors, which adapt to observed acceptance.
+    Training-free and free to run; state is bounded (uint16 ids when V < 65536: 49152 × 8 × 2 B ≈ 0.8 MB)."""
+
+    name = "recycling"
+
+    def __init__(self, vocab: int, k: int = 8, nodes: int = 8, chains_only: bool = False):
+        self.k = k
+        self.chains_only = chains_only  # the target cannot verify trees exactly: draft the rank-0 path only
+        self.adj = np.zeros((vocab, k), np.uint16 if vocab < 65536 else np.int32)
+        self.seen = np.zeros(vocab, bool)
+        self.prior_counts = np.array([8.0, 2.5, 1.2, 0.7, 0.5, 0.35, 0.25, 0.2][:k] + [0.1] * max(0, k - 8))
+        self.misses = 8.0
+        self.nodes = nodes
+        self._templates: dict[int, list] = {}
+        self.root: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.adj.nbytes + self.seen.nbytes
+
+    def rank_prior(self) -> np.ndarray:
+        return self.prior_counts / (self.prior_counts.sum() + self.misses)
+
+    def template(self, nodes: int) -> list[tuple[int, int]]:
+        t = self._templates.get(nodes)
+        if t is None:
+            t = [(i - 1, 0) for i in range(nodes)] if self.chains_only else tree_template(nodes, self.rank_prior())
+            self._templates[nodes] = t
+        return t
+
+    def begin(self, context) -> None:
+        self.root = int(context[-1])
+
+    def observe(self, tokens, top_ids) -> None:
+        """tokens [S] of a verify call, top_ids [S, >=k] the target's candidates after each."""
+        t = np.asarray(tokens, np.int64)
+        self.adj[t] = np.asarray(top_ids)[:, : self.k]
+        self.seen[t] = True
+
+    def draft(self, budget: int) -> Draft:
+        if budget <= 0 or self.root is None or not self.seen[self.root]:
+            return Draft.empty()
+        toks, parents, node_tok = [], [], []
+        where = {}  # template node → draft index
+        for i, (parent, rank) in enumerate(self.template(budget)):
+            ptok = self.root if parent < 0 else node_tok[parent]
+            node_tok.append(None)
+            if ptok is None or not self.seen[ptok] or (parent >= 0 and parent not in where):
+                continue
+            tok = int(self.adj[ptok, rank])
+            node_tok[i] = tok
+            where[i] = len(toks)
+            toks.append(tok)
+            parents.append(0 if parent < 0 else where[parent] + 1)
+        return Draft(np.asarray(toks, np.int64), np.asarray(parents, np.int64))
+
+    def accept(self, tokens) -> None:
+        # adapt the per-rank priors: where in the root's candidate row did the target's next token sit?
+        if self.root is not None and self.seen[self.root]:
+            hit = np.nonzero(self.adj[self.root] == tokens[0])[0]
+            if hit.size:
+                self.prior_counts[hit[0]] += 1
+            else:
+                self.misses += 1
+            if (self.prior_counts.sum() + self.misses) % 64 < 1:
+                self._templates.clear()  # re-grow templates from the updated priors now and then
+        self.root = int(tokens[-1])
+
+
+class HybridDrafter:
+    """Lookup and recycling in one tree (RASD-style fusion by longest common prefix): the retrieved chain first,
+    then the recycling tree's nodes that are not already on it, within one node budget."""
+
+    name = "hybrid"
+
+    def __init__(self, lookup: LookupDrafter, recycling: RecyclingDrafter, lookup_len: int = 12):
+        self.lookup, self.recycling, self.lookup_len = lookup, recycling, lookup_len
+
+    def begin(self, context) -> None:
+        self.lookup.begin(context)
+        self.recycling.begin(context)
+
+    def observe(self, tokens, top_ids) -> None:
+        self.recycling.observe(tokens, top_ids)
+
+    def draft(self, budget: int) -> Draft:
+        chain = self.lookup.draft(self.lookup_len)
+        if len(chain) and self.recycling.chains_only:
+            return chain  # the target verifies chains only: the retrieved span wins when there is one
+        tree = self.recycling.draft(budget)
+        if not len(chain):
+            return tree
+        # trie merge: key = path of tokens from the root
+        toks, parents = list(chain.tokens), list(range(len(chain)))
+        index = {tuple(chain.tokens[: i + 1].tolist()): i + 1 for i in range(len(chain))}
+        paths = [()]
+        for t, p in zip(tree.tokens.tolist(), tree.parents.tolist()):
+            path = paths[p] + (t,)
+            paths.append(path)
+            if path in index or paths[p] not in index and p != 0:
+                continue
+            if len(toks) >= len(chain) + budget:
+                break
+            index[path] = len(toks) + 1
+            toks.append(t)
+            parents.append(0 if p == 0 else index[paths[p]])
+        return Draft(np.asarray(toks, np.int64), np.asarray(parents, np.int64))
+
+    def accept(self, tokens) -> None:
+        self.lookup.accept(tokens)
+        self.recycling.accept(tokens)

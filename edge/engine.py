@@ -19,12 +19,12 @@ from kernels.sampling import process_logits, sample_from
 from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
-from .drafters import Draft, LookupDrafter, ModelDrafter, NoDrafter
+from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .manifest import ModelDirError, load_manifest
 from .runner import GraphSession
 from .text import StreamDecoder, TextCodec
 
-DRAFTERS = ("auto", "model", "lookup", "none")
+DRAFTERS = ("auto", "hybrid", "recycling", "model", "lookup", "none")
 
 
 class EngineError(Exception):
@@ -144,6 +144,8 @@ class Engine:
         self.target = GraphSession(str(self.model_dir / t.file), m, t, self.context, threads, providers)
         self.cached: list[int] = []
         self.lookup = LookupDrafter()
+        # fed by every target call; persists across turns. Trees only where the graph verifies them exactly.
+        self.recycling = RecyclingDrafter(m.arch["vocab"], chains_only=not self.target.tree_exact)
         self._drafter_sess = None
         self._id_map = None
         self._lock = threading.Lock()
@@ -154,14 +156,17 @@ class Engine:
         if kind == "model" and not self.manifest.drafters:
             raise ModelDirError(f"{self.model_dir}: no drafter graph in this export (re-export with --drafter-layers) "
                                 "or use --drafter lookup")
+        if kind in ("recycling", "hybrid") and not self.target.topk:
+            raise ModelDirError(f"{self.model_dir}: drafter {kind!r} needs the target's on-graph top-k output; "
+                                "re-export with this edgespec, or use --drafter lookup")
         if kind != "auto":
             return kind
-        # lookup drafting is free (no extra model calls); a model drafter must earn its cost. Measured choice:
-        # the untrained early-exit drafter agrees too rarely on this model to pay (README, drafter table).
+        # lookup and recycling drafts cost no model calls; a model drafter must earn its cost. Measured choice
+        # (README): hybrid lookup+recycling trees beat the early-exit drafter on this model.
         best = max(self.manifest.drafters, key=lambda g: g.stats.get("top1_agreement", 0), default=None)
         if best is not None and best.stats.get("top1_agreement", 0) >= 0.6:
             return "model"
-        return "lookup"
+        return "hybrid" if self.target.topk else "lookup"
 
     def _model_drafter(self, p: GenerationParams, rng) -> ModelDrafter:
         if self._drafter_sess is None:
@@ -182,6 +187,10 @@ class Engine:
             return NoDrafter(), 0
         if kind == "lookup":
             return self.lookup, p.draft_len if p.draft_len is not None else 8
+        if kind == "recycling":
+            return self.recycling, p.draft_len if p.draft_len is not None else 8
+        if kind == "hybrid":
+            return HybridDrafter(self.lookup, self.recycling), p.draft_len if p.draft_len is not None else 8
         return self._model_drafter(p, rng), p.draft_len if p.draft_len is not None else 4
 
     # ------------------------------------------------------------------ encoding
@@ -234,23 +243,27 @@ class Engine:
         """One target call over [root] + draft → (committed tokens, tree path or None, next token)."""
         tokens = np.concatenate([[root], d.tokens]).astype(np.int64)
         L = self.target.cache.length
+        greedy = p.temperature == 0
         if d.is_chain:
-            logits = self.target.forward(tokens)  # [K+1, V]
+            logits = self.target.forward(tokens, logits=not greedy)  # [K+1, V] (None: greedy with on-graph top-k)
             layout = None
         else:
             layout = TreeLayout.from_parents(np.concatenate([[-1], d.parents]))
-            logits = self.target.forward(tokens, layout.position_ids(L), layout.attention_bias(L))
-        greedy = p.temperature == 0
+            logits = self.target.forward(tokens, layout.position_ids(L), layout.attention_bias(L), logits=not greedy)
+        top = self.target.top_ids
+        if top is not None:
+            self.recycling.observe(tokens, top)
+        argmax = (top[:, 0] if logits is None else logits.argmax(-1)) if greedy else None
         if layout is None:
             if greedy:
-                n, nxt = verify_greedy(d.tokens, logits.argmax(-1))
+                n, nxt = verify_greedy(d.tokens, argmax)
             else:
                 P = process_logits(logits, p.temperature, p.top_k, p.top_p)
                 n, nxt = verify_sampling(d.tokens, P, d.q, rng)
             return [int(t) for t in tokens[: n + 1]], None, int(nxt)
         parents = layout.parents
         if greedy:
-            path, nxt = verify_greedy_tree(tokens, parents, logits.argmax(-1))
+            path, nxt = verify_greedy_tree(tokens, parents, argmax)
         else:
             P = process_logits(logits, p.temperature, p.top_k, p.top_p)
             q = None if d.q is None else np.concatenate([d.q, np.zeros((1, d.q.shape[1]))])
@@ -355,8 +368,12 @@ class Engine:
     def chat(self, system: str | None = None) -> "Chat":
         return Chat(self, system)
 
-    def reset(self) -> None:
+    def reset(self, keep_drafter_state: bool = False) -> None:
+        """Forget the KV cache; Token Recycling's matrix and the lookup history survive only if asked."""
         self._rewind_to(0)
+        if not keep_drafter_state:
+            self.recycling = RecyclingDrafter(self.manifest.arch["vocab"], chains_only=not self.target.tree_exact)
+            self.lookup = LookupDrafter()
 
 
 def _normalize(kw: dict) -> dict:
@@ -380,11 +397,11 @@ class Chat:
     def __init__(self, engine: Engine, system: str | None = None):
         self.engine = engine
         self.system = system
-        self.messages: list[dict] = []
-        self.reset()
+        self.messages = [{"role": "system", "content": system}] if system else []
 
-    def reset(self) -> None:
+    def reset(self, keep_drafter_state: bool = False) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.engine.reset(keep_drafter_state)
 
     def send(self, text: str, **kw) -> Iterator[Chunk]:
         self.messages.append({"role": "user", "content": text})

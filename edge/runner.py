@@ -42,18 +42,27 @@ class GraphSession:
         self._tri = np.where(np.tril(np.ones((max_call, max_call), bool)), 0, NEG).astype(np.float32)
         self._logits = np.zeros((1, 1, graph.vocab), np.float32)  # grown on demand to the widest call seen
         self._keep = np.zeros(1, np.int64)
+        outs = {o.name: o for o in self.sess.get_outputs()}
+        self.topk = int(outs["top_ids"].shape[-1]) if "top_ids" in outs else 0  # on-graph TopK, if exported
+        self._top = np.zeros((1, 1, max(1, self.topk)), np.int64)
+        self.top_ids = None  # [R, topk] of the last call, when the graph has the TopK output
         self.calls = 0
         self.min_call = 1
-        b = self.sess.io_binding()
-        self._kv_values = []
-        for i in range(graph.layers):
-            for j, kind in enumerate(("key", "value")):
-                v = ort.OrtValue.ortvalue_from_numpy(self.cache.layer(i, j))
-                self._kv_values.append(v)  # keep alive: the binding only holds a pointer
-                b.bind_ortvalue_input(f"past_key_values.{i}.{kind}", v)
-                b.bind_ortvalue_output(f"present.{i}.{kind}", v)
-        self.binding = b
+        self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.cache.layer(i, j))
+                           for i in range(graph.layers) for j in range(2)]  # kept alive: bindings hold pointers
+        # two bindings with the KV cache bound once each: with logits, and (on-graph TopK) with top ids only
+        self._bind_full = self._new_binding()
+        self._bind_top = self._new_binding() if self.topk else self._bind_full
         self.min_call = self._probe_min_call()
+        self.tree_exact = self._probe_tree_exact()
+
+    def _new_binding(self):
+        b = self.sess.io_binding()
+        for i in range(self.layers):
+            for j, kind in enumerate(("key", "value")):
+                b.bind_ortvalue_input(f"past_key_values.{i}.{kind}", self._kv_values[2 * i + j])
+                b.bind_ortvalue_output(f"present.{i}.{kind}", self._kv_values[2 * i + j])
+        return b
 
     def _probe_min_call(self) -> int:
         """Lossless speculation needs a token's logits not to depend on how many tokens share its call. Some
@@ -80,13 +89,14 @@ class GraphSession:
             bias[0, 0, :, t - s :] = np.where(np.tril(np.ones((s, s), bool)), 0, NEG)
         return bias
 
-    def forward(self, tokens, positions=None, bias=None, keep: int = 0) -> np.ndarray:
+    def forward(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True) -> np.ndarray | None:
         """Run S tokens after the committed prefix; their K/V land in slots [length, length+S) uncommitted.
-        Returns logits [R, V] (R = S, or `keep` last rows) — a view valid until the next call."""
+        Returns logits [R, V] (R = S, or `keep` last rows) — a view valid until the next call — or None with
+        logits=False on a graph with on-graph TopK (then only `self.top_ids` [R, topk] is filled)."""
         ids = np.asarray(tokens, np.int64).reshape(1, -1)
         s = ids.shape[1]
         if s < self.min_call:
-            return self._forward_padded(ids, positions, bias, keep)
+            return self._forward_padded(ids, positions, bias, keep, logits)
         if s > self.max_call and keep == 0:
             raise ValueError(f"{s} tokens in one call with all logits kept (max {self.max_call})")
         self.cache.check_room(s)
@@ -97,20 +107,50 @@ class GraphSession:
         assert bias.shape == (1, 1, s, self.cache.length + s), (bias.shape, s, self.cache.length)
         r = s if keep == 0 else min(keep, s)
         self._keep[0] = keep
-        b = self.binding
+        want = logits or not self.topk
+        b = self._bind_full if want else self._bind_top
         b.bind_cpu_input("input_ids", ids)
         b.bind_cpu_input("position_ids", np.asarray(positions, np.int64).reshape(1, -1))
         b.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))
         b.bind_cpu_input("logits_keep", self._keep)
-        if r > self._logits.shape[1]:
-            self._logits = np.zeros((1, r, self.vocab), np.float32)
-        out = self._logits[:, :r]
-        b.bind_ortvalue_output("logits", self.ort.OrtValue.ortvalue_from_numpy(out))
+        out = None
+        if want:
+            if r > self._logits.shape[1]:
+                self._logits = np.zeros((1, r, self.vocab), np.float32)
+            out = self._logits[:, :r]
+            b.bind_ortvalue_output("logits", self.ort.OrtValue.ortvalue_from_numpy(out))
+        if self.topk:
+            if r > self._top.shape[1]:
+                self._top = np.zeros((1, r, self.topk), np.int64)
+            top = self._top[:, :r]
+            b.bind_ortvalue_output("top_ids", self.ort.OrtValue.ortvalue_from_numpy(top))
+            self.top_ids = top[0]
         self.sess.run_with_iobinding(b)
         self.calls += 1
-        return out[0]
+        return out[0] if want else None
 
-    def _forward_padded(self, ids, positions, bias, keep) -> np.ndarray:
+    def _probe_tree_exact(self, tol: float = 1e-3) -> bool:
+        """Does a token verified inside a tree get the logits it gets on its own root-to-leaf path? With fp32
+        activations yes (to ~1e-5); with int8 activations a 1e-7 change in attention summation order (masked
+        siblings interleaved) flips activation rounding and logits move by ~0.5, so greedy trees would not be
+        lossless and drafting falls back to chains."""
+        if self.cache.capacity < 64:
+            return True
+        prefix = [(7 * i) % 97 + 3 for i in range(48)]  # long enough that attention sums span SIMD lanes
+        self.forward(prefix)
+        self.cache.append(len(prefix))
+        L = self.cache.length
+        # root 4 with children 5 and 6: node 2 (token 6) sits one slot right of where its path puts it
+        bias = np.zeros((1, 1, 3, L + 3), np.float32)
+        bias[0, 0, 0, L + 1 :] = NEG
+        bias[0, 0, 1, L + 2] = NEG
+        bias[0, 0, 2, L + 1] = NEG
+        tree = self.forward([4, 5, 6], np.array([L, L + 1, L + 1]), bias)[2].copy()
+        path = self.forward([4, 6])[1].copy()
+        self.cache.trim(len(prefix))
+        return float(np.abs(tree - path).max()) < tol
+
+    def _forward_padded(self, ids, positions, bias, keep, logits=True) -> np.ndarray | None:
         """A 1-token call as the first row of a 2-row call; the pad row sees only itself, its K/V lands in a
         slot past the committed length (never visible) and its logits are dropped."""
         t = self.cache.length + 2
@@ -120,7 +160,10 @@ class GraphSession:
         b2 = np.full((1, 1, 2, t), NEG, np.float32)
         b2[0, 0, 0, : t - 1] = 0 if bias is None else np.asarray(bias, np.float32).reshape(-1)
         b2[0, 0, 1, t - 1] = 0
-        return self.forward(np.append(ids.reshape(-1), ids[0, 0]), pos, b2, keep=0)[:1]
+        out = self.forward(np.append(ids.reshape(-1), ids[0, 0]), pos, b2, keep=0, logits=logits)
+        if self.top_ids is not None:
+            self.top_ids = self.top_ids[:1]
+        return None if out is None else out[:1]
 
     def prefill(self, tokens, chunk: int = 512) -> np.ndarray:
         """Commit `tokens` in chunks (bounded activation memory); logits [V] of the last one."""

@@ -66,7 +66,7 @@ def engine(tiny_dir):
 PROMPTS = ["the quick brown fox", "def add(a, b):", "Summarize: the council met", "café 😀 日本"]
 
 
-@pytest.mark.parametrize("drafter", ["lookup", "model"])
+@pytest.mark.parametrize("drafter", ["lookup", "model", "recycling", "hybrid"])
 @pytest.mark.parametrize("draft_len", [1, 3, 8])
 def test_greedy_speculative_equals_plain(engine, drafter, draft_len):
     for p in PROMPTS:
@@ -76,8 +76,10 @@ def test_greedy_speculative_equals_plain(engine, drafter, draft_len):
         assert got.text == ref.text
 
 
-def test_drafters_actually_draft(engine):
-    r = engine.generate(PROMPTS[0], max_tokens=40, drafter="model", draft_len=4)
+@pytest.mark.parametrize("drafter", ["model", "recycling", "hybrid"])
+def test_drafters_actually_draft(engine, drafter):
+    engine.generate(PROMPTS[0], max_tokens=40, drafter="none")  # warms Token Recycling's matrix
+    r = engine.generate(PROMPTS[0], max_tokens=40, drafter=drafter, draft_len=4)
     assert r.stats.drafted > 0 and r.stats.steps < r.stats.generated
 
 
