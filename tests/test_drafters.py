@@ -1,0 +1,96 @@
+"""Drafters in isolation: table-driven cases and bounds (the engine tests check losslessness end to end)."""
+import numpy as np
+import pytest
+
+from edge.drafters import Draft, HybridDrafter, LookupDrafter, RecyclingDrafter, tree_template
+from kernels.tree import TreeLayout
+
+
+@pytest.mark.parametrize("history,budget,expected", [
+    ([1, 2, 3, 4, 1, 2], 3, [3, 4, 1]),  # longest suffix "1 2" seen before → what followed
+    ([5, 6, 7, 8, 9, 6, 7], 2, [8, 9]),
+    ([1, 2, 3], 4, []),  # no earlier occurrence of any suffix
+    ([4, 4, 4, 4], 3, [4]),  # most recent earlier match, continuation clipped at the end of history
+    ([9, 1, 2, 9, 3, 4, 1, 2], 2, [9, 3]),  # the most recent occurrence wins
+])
+def test_lookup_drafts(history, budget, expected):
+    d = LookupDrafter(max_ngram=3)
+    d.begin(history)
+    assert d.draft(budget).tokens.tolist() == expected
+
+
+def test_lookup_follows_accepts_and_resets_on_divergence():
+    d = LookupDrafter()
+    d.begin([1, 2, 3, 1])
+    d.accept([2])
+    assert d.draft(2).tokens.tolist() == [3, 1]
+    d.begin([7, 8])  # a different conversation: history rebuilt, not appended
+    assert d.history == [7, 8]
+
+
+def test_lookup_history_is_bounded():
+    d = LookupDrafter(max_history=1000)
+    d.begin(list(range(5000)))
+    assert len(d.history) <= 1000 and len(d.index) <= 4 * 1000
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 5, 8, 16, 32])
+def test_tree_template_is_a_valid_tree(nodes):
+    t = tree_template(nodes, [0.5, 0.2, 0.1, 0.05])
+    assert len(t) == nodes
+    for i, (parent, rank) in enumerate(t):
+        assert -1 <= parent < i and 0 <= rank < 4
+    # siblings are distinct ranks
+    pairs = [(p, r) for p, r in t]
+    assert len(set(pairs)) == len(pairs)
+    # the most likely path (rank 0 chain) is grown first
+    assert t[0] == (-1, 0)
+
+
+def test_recycling_drafts_from_observed_candidates_and_is_bounded():
+    V = 49152
+    d = RecyclingDrafter(V, k=8)
+    assert d.nbytes < 2 * 1024 * 1024
+    d.begin([10])
+    assert len(d.draft(8)) == 0  # nothing observed for token 10 yet
+    d.observe([10, 20], np.array([[20, 21, 22, 23, 24, 25, 26, 27], [30, 31, 32, 33, 34, 35, 36, 37]]))
+    dr = d.draft(4)
+    lay = TreeLayout.from_parents(np.concatenate([[-1], dr.parents]))
+    assert dr.tokens[0] == 20 and dr.parents[0] == 0  # rank-0 successor of the root first
+    for i, tok in enumerate(dr.tokens):  # every node is a recorded successor of its parent
+        parent_tok = 10 if dr.parents[i] == 0 else dr.tokens[dr.parents[i] - 1]
+        assert tok in d.adj[parent_tok]
+    assert lay.num_nodes == len(dr) + 1
+
+
+def test_recycling_chains_only_gives_a_chain():
+    d = RecyclingDrafter(100, k=4, chains_only=True)
+    d.observe([1, 2, 3], np.array([[2, 5, 6, 7], [3, 8, 9, 10], [4, 11, 12, 13]]))
+    d.begin([1])
+    dr = d.draft(5)
+    assert dr.is_chain and dr.tokens.tolist() == [2, 3, 4]
+
+
+def test_hybrid_merges_common_prefix():
+    look = LookupDrafter()
+    look.begin([1, 2, 3, 4, 1, 2])
+    rec = RecyclingDrafter(100, k=2)
+    rec.observe([2, 3, 7], np.array([[3, 7], [4, 9], [8, 6]]))
+    rec.begin([1, 2])
+    h = HybridDrafter(look, rec, lookup_len=3)
+    dr = h.draft(4)
+    paths = set()
+    for i in range(len(dr)):
+        path, j = [], i + 1
+        while j > 0:
+            path.append(int(dr.tokens[j - 1]))
+            j = int(dr.parents[j - 1])
+        paths.add(tuple(reversed(path)))
+    assert (3, 4, 1) in paths  # the retrieved chain
+    assert len(paths) == len(dr)  # no duplicate root-to-node paths after the merge
+    assert dr.tokens[:3].tolist() == [3, 4, 1]
+
+
+def test_draft_chain_helpers():
+    assert Draft.chain([5, 6]).is_chain and not Draft(np.array([5, 6]), np.array([0, 0])).is_chain
+    assert len(Draft.empty()) == 0
