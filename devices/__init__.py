@@ -1,0 +1,226 @@
+"""Device profiles: data files (devices/profiles/*.json) read into frozen `DeviceProfile`s, plus host detection.
+
+A profile says what a device offers — the memory the runtime may use, bandwidth, the ONNX Runtime execution
+provider and its options, the weight precisions it runs, the static shape buckets an NPU was compiled for — and
+which public spec the numbers come from. It never decides draft lengths: that is `memory.planner`'s job.
+
+    from devices import load_profile, check_available
+    p = check_available(load_profile("snapdragon-x-npu"), simulate=True)   # QNN missing → CPU, same budget/buckets
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+DEVICE_CLASSES = ("cpu", "gpu", "npu")
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+ACTIVATION_DTYPES = ("float32", "float16")
+CPU_EP = "CPUExecutionProvider"
+HOST = "host"
+HOST_BUDGET_FRACTION = 0.5  # of the RAM available when the host is detected: leave the rest to everything else
+# How to get an execution provider that this onnxruntime build lacks (named in the error).
+EP_INSTALL = {
+    "CUDAExecutionProvider": "pip install onnxruntime-gpu (NVIDIA driver + CUDA 12)",
+    "CoreMLExecutionProvider": "the standard onnxruntime wheel on macOS (Apple silicon)",
+    "QNNExecutionProvider": "pip install onnxruntime-qnn on a Windows-on-Snapdragon machine",
+    "OpenVINOExecutionProvider": "pip install onnxruntime-openvino (Intel NPU driver)",
+    "DmlExecutionProvider": "pip install onnxruntime-directml on Windows",
+}
+
+
+class ProfileError(ValueError):
+    """A profile file that cannot be used; the message names the file and the field."""
+
+
+class ProviderUnavailable(RuntimeError):
+    """The profile's execution provider is not installed; the message names it, how to get it, and --simulate."""
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    description: str
+    device_class: str  # cpu | gpu | npu
+    execution_provider: str  # an ONNX Runtime provider name
+    memory_total_mb: int  # physical memory the device has (RAM, VRAM or unified)
+    budget_mb: int  # what the runtime may use of it
+    bandwidth_gbs: float | None  # peak memory bandwidth (None: not known, e.g. an undetected host)
+    weight_precisions: tuple[str, ...]  # exported weight precisions it runs
+    activation_dtype: str  # float32 | float16
+    source: str  # the public spec the numbers were taken from
+    provider_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    shape_buckets: tuple[int, ...] = ()  # rows per call the compiled graphs accept; () = dynamic shapes
+    prefill_chunk: int = 512  # rows per prefill call (a bucket on static-shape devices)
+    cores: int | None = None
+    app_memory_cap_mb: int | None = None  # a per-app limit below the device's memory (phones)
+    notes: str = ""
+    calibration: Mapping[str, Any] = field(default_factory=dict, hash=False)  # memory/latency/acceptance sections
+    providers_installed: tuple[str, ...] = ()  # host detection only
+    simulated: bool = False  # running on the CPU EP with this profile's budgets and shape constraints
+    simulated_provider: str | None = None  # the provider being simulated
+
+    def __post_init__(self):
+        _validate(self)
+
+    @property
+    def static_shapes(self) -> bool:
+        return bool(self.shape_buckets)
+
+    @property
+    def providers(self) -> list:
+        """The `providers=` argument for onnxruntime.InferenceSession (the EP with its options, then the CPU)."""
+        first = (self.execution_provider, dict(self.provider_options)) if self.provider_options else \
+            self.execution_provider
+        return [first] if self.execution_provider == CPU_EP else [first, CPU_EP]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["provider_options"], d["calibration"] = dict(self.provider_options), dict(self.calibration)
+        return d
+
+
+def _validate(p: DeviceProfile) -> None:
+    def bad(fieldname: str, why: str):
+        raise ProfileError(f"device profile {p.name!r}: {fieldname} {why}")
+
+    if not p.name or not isinstance(p.name, str):
+        bad("name", "must be a non-empty string")
+    if p.device_class not in DEVICE_CLASSES:
+        bad("device_class", f"{p.device_class!r} is not one of {', '.join(DEVICE_CLASSES)}")
+    if not p.execution_provider.endswith("ExecutionProvider"):
+        bad("execution_provider", f"{p.execution_provider!r} is not an ONNX Runtime provider name")
+    if not (isinstance(p.memory_total_mb, int) and p.memory_total_mb > 0):
+        bad("memory_total_mb", f"must be a positive integer (got {p.memory_total_mb!r})")
+    if not (isinstance(p.budget_mb, int) and 0 < p.budget_mb <= p.memory_total_mb):
+        bad("budget_mb", f"must be a positive integer <= memory_total_mb {p.memory_total_mb} (got {p.budget_mb!r})")
+    if p.app_memory_cap_mb is not None and not 0 < p.budget_mb <= p.app_memory_cap_mb <= p.memory_total_mb:
+        bad("app_memory_cap_mb", f"must lie between budget_mb and memory_total_mb (got {p.app_memory_cap_mb!r})")
+    if p.bandwidth_gbs is not None and not p.bandwidth_gbs > 0:
+        bad("bandwidth_gbs", f"must be positive or null (got {p.bandwidth_gbs!r})")
+    if not p.weight_precisions or any(x not in PRECISIONS for x in p.weight_precisions):
+        bad("weight_precisions", f"must be a non-empty subset of {', '.join(PRECISIONS)} (got {p.weight_precisions})")
+    if p.activation_dtype not in ACTIVATION_DTYPES:
+        bad("activation_dtype", f"{p.activation_dtype!r} is not one of {', '.join(ACTIVATION_DTYPES)}")
+    b = p.shape_buckets
+    if any(not isinstance(x, int) or x < 1 for x in b) or list(b) != sorted(set(b)):
+        bad("shape_buckets", f"must be strictly increasing positive integers (got {list(b)})")
+    if not (isinstance(p.prefill_chunk, int) and p.prefill_chunk >= 1):
+        bad("prefill_chunk", f"must be a positive integer (got {p.prefill_chunk!r})")
+    if b and p.prefill_chunk not in b:
+        bad("prefill_chunk", f"{p.prefill_chunk} must be one of the shape buckets {list(b)}")
+    if p.cores is not None and not (isinstance(p.cores, int) and p.cores >= 1):
+        bad("cores", f"must be a positive integer or null (got {p.cores!r})")
+    if not p.source.strip():
+        bad("source", "must name the public spec the numbers come from")
+
+
+# ---------------------------------------------------------------------------------------------- files
+def _profiles_dir():
+    return resources.files(__name__) / "profiles"
+
+
+def list_profiles() -> list[str]:
+    """"host" (detected) and every shipped profile, by name."""
+    names = sorted(p.name[:-5] for p in _profiles_dir().iterdir() if p.name.endswith(".json"))
+    return [HOST] + names
+
+
+def profile_from_dict(d: Mapping[str, Any], where: str = "<dict>") -> DeviceProfile:
+    known = {f.name for f in fields(DeviceProfile)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ProfileError(f"{where}: unknown field(s) {unknown}; known: {sorted(known)}")
+    missing = sorted(f.name for f in fields(DeviceProfile)
+                     if f.name not in d and f.default is MISSING and f.default_factory is MISSING)
+    if missing:
+        raise ProfileError(f"{where}: missing field(s) {missing}")
+    d = dict(d)
+    for k in ("weight_precisions", "shape_buckets", "providers_installed"):
+        if k in d:
+            d[k] = tuple(d[k])
+    try:
+        return DeviceProfile(**d)
+    except ProfileError as e:
+        raise ProfileError(f"{where}: {e}") from None
+    except TypeError as e:
+        raise ProfileError(f"{where}: {e}") from None
+
+
+def load_profile(name: str) -> DeviceProfile:
+    """A shipped profile by name, "host" (detected now), or a path to a profile JSON file."""
+    if name == HOST:
+        return detect_host()
+    if name.endswith(".json") or os.sep in name:
+        path = Path(name)
+        if not path.is_file():
+            raise ProfileError(f"{path}: no such device profile file")
+        text, where = path.read_text(), str(path)
+    else:
+        f = _profiles_dir() / f"{name}.json"
+        if not f.is_file():
+            raise ProfileError(f"unknown device {name!r}; choose one of: {', '.join(list_profiles())} "
+                               "(or give a path to a profile .json)")
+        text, where = f.read_text(), f"devices/profiles/{name}.json"
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise ProfileError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ProfileError(f"{where}: expected a JSON object")
+    return profile_from_dict(d, where)
+
+
+# ---------------------------------------------------------------------------------------------- the host
+def available_providers() -> list[str]:
+    """ONNX Runtime's installed execution providers (imported lazily: devices/ only needs this one call)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return []
+    return list(ort.get_available_providers())
+
+
+def detect_host(providers: list[str] | None = None) -> DeviceProfile:
+    """This machine, as a CPU profile: total/available RAM and cores from psutil, installed ORT providers.
+    Budget: HOST_BUDGET_FRACTION of the RAM available right now."""
+    import psutil
+
+    vm = psutil.virtual_memory()
+    total_mb, avail_mb = vm.total >> 20, vm.available >> 20
+    cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
+    installed = tuple(providers if providers is not None else available_providers())
+    return DeviceProfile(
+        name=HOST, description=f"this machine: {total_mb} MB RAM ({avail_mb} MB available), {cores} cores",
+        device_class="cpu", execution_provider=CPU_EP, memory_total_mb=max(total_mb, 1),
+        budget_mb=max(1, min(total_mb, int(avail_mb * HOST_BUDGET_FRACTION))), bandwidth_gbs=None,
+        weight_precisions=PRECISIONS, activation_dtype="float32", cores=cores, providers_installed=installed,
+        source="detected at run time: psutil.virtual_memory() and cpu_count(), "
+               "onnxruntime.get_available_providers(); bandwidth not measured (edge-profile measures it)",
+        notes=f"budget = {HOST_BUDGET_FRACTION:.0%} of the RAM available at detection")
+
+
+def check_available(profile: DeviceProfile, simulate: bool = False,
+                    providers: list[str] | None = None) -> DeviceProfile:
+    """The profile if its execution provider is installed. Otherwise: with simulate=True, the same profile on the
+    CPU EP (same budgets, precision limits and shape buckets; CPU kernels), else ProviderUnavailable."""
+    installed = providers if providers is not None else available_providers()
+    ep = profile.execution_provider
+    if ep in installed:
+        return profile
+    if simulate:
+        return replace(profile, execution_provider=CPU_EP, provider_options={}, simulated=True,
+                       simulated_provider=ep,
+                       notes=(profile.notes + " " if profile.notes else "") + f"simulated on the CPU (no {ep})")
+    how = EP_INSTALL.get(ep, f"an onnxruntime build with {ep}")
+    raise ProviderUnavailable(
+        f"device {profile.name!r} needs {ep}, which this onnxruntime does not provide (installed: "
+        f"{', '.join(installed) or 'none'}). Get it with {how}, or pass --simulate to run this profile on the CPU "
+        f"with the same memory budget and shape buckets.")
+
+
+__all__ = ["DeviceProfile", "ProfileError", "ProviderUnavailable", "list_profiles", "load_profile",
+           "profile_from_dict", "detect_host", "check_available", "available_providers", "HOST", "CPU_EP"]

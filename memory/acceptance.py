@@ -1,0 +1,231 @@
+"""Acceptance statistics and draft-tree shapes: what the planner expects a drafter to earn per verify call.
+
+Model (greedy verification; sampling runs measure their own rates the same way): at depth d below an accepted
+node, the target's next token equals the drafter's rank-r candidate with probability a[d, r], independently of
+the path. Candidates are distinct tokens, so these events are exclusive: sum_r a[d, r] <= 1. A node is accepted
+when every node on its path is, so
+
+    P(node accepted)  = prod over its path of a[depth, rank]
+    E[accepted]       = draft_rate * sum over nodes of P(node accepted)
+
+(`draft_rate`: the share of steps where the drafter proposes anything at all; lookup drafting often has no
+match). For a chain of K rank-0 nodes this is sum_{d<=K} prod_{j<=d} a[j, 0], with a[j, 0] the familiar
+per-depth conditional acceptance rate.
+
+Depths are 1-based (depth 1 = the first draft token after the root); ranks are 0-based.
+Tree shapes follow `edge.drafters.Draft.parents`: node i (0-based) has parent parents[i] in [0, i], an index
+into [root] + nodes, so a chain of K is parents = (0, 1, ..., K-1).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Sequence
+
+import numpy as np
+
+MAX_DEPTH = 64
+MAX_RANK = 4
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    name: str  # "none" | "chain" | "best-first"
+    parents: tuple[int, ...]  # [N], into [root] + nodes
+    ranks: tuple[int, ...]  # [N], rank of each node among its siblings (0 = the drafter's top choice)
+
+    def __post_init__(self):
+        assert len(self.parents) == len(self.ranks), (len(self.parents), len(self.ranks))
+        for i, p in enumerate(self.parents):
+            assert 0 <= p <= i, f"node {i}: parent {p} must come before it"
+
+    @classmethod
+    def chain(cls, k: int) -> "TreeShape":
+        return cls("chain" if k else "none", tuple(range(k)), (0,) * k)
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        d = [0]  # the root
+        for p in self.parents:
+            d.append(d[p] + 1)
+        return tuple(d[1:])
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    @cached_property
+    def widths(self) -> tuple[int, ...]:
+        """Nodes per depth 1..depth: the rows of each drafter call when a model drafts level by level."""
+        w = [0] * self.depth
+        for d in self.depths:
+            w[d - 1] += 1
+        return tuple(w)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == tuple(range(len(self)))
+
+    def prefix(self, n: int) -> "TreeShape":
+        """The first n nodes (a valid tree: parents come first)."""
+        return TreeShape(self.name if n else "none", self.parents[:n], self.ranks[:n])
+
+
+class AcceptanceStats:
+    """Per-depth (and per-rank) acceptance rates as exponential moving averages, updated online.
+
+    A prior counts as `prior_weight` observations, so the first few observations move the estimate quickly and
+    later ones with weight `beta` (a moving average that follows a conversation's drift)."""
+
+    def __init__(self, prior: float | Sequence[float] = 0.3, *, draft_rate: float = 1.0, beta: float = 0.1,
+                 prior_weight: float = 4.0, rank_decay: float = 0.5, max_depth: int = MAX_DEPTH,
+                 max_rank: int = MAX_RANK):
+        if not 0 < beta <= 1:
+            raise ValueError(f"beta must be in (0, 1] (got {beta})")
+        if not 0 <= draft_rate <= 1:
+            raise ValueError(f"draft_rate must be in [0, 1] (got {draft_rate})")
+        p = np.full(max_depth, float(prior)) if np.ndim(prior) == 0 else np.asarray(prior, np.float64)
+        if p.shape[0] < max_depth:  # a short prior list: its last value continues
+            p = np.concatenate([p, np.full(max_depth - p.shape[0], p[-1] if p.size else 0.0)])
+        p = p[:max_depth]
+        if np.any(p < 0) or np.any(p > 1):
+            raise ValueError(f"acceptance priors must be in [0, 1] (got {p.tolist()})")
+        self.beta, self.prior_weight, self.max_depth, self.max_rank = beta, prior_weight, max_depth, max_rank
+        self.rate = p[:, None] * rank_decay ** np.arange(max_rank)[None, :]  # [depth, rank]
+        self.count = np.zeros((max_depth, max_rank))
+        self.draft_rate = float(draft_rate)
+        self.draft_count = 0.0
+        self._table: np.ndarray | None = None  # consistent a[depth, rank], rebuilt when `rate` changes
+        self._table_of: np.ndarray | None = None
+
+    # ------------------------------------------------------------------ updates
+    def _ema(self, value: float, old: float, count: float) -> float:
+        w = max(self.beta, 1.0 / (count + self.prior_weight))
+        return old + w * (value - old)
+
+    def _observe_rate(self, drafted: bool) -> None:
+        self.draft_rate = self._ema(float(drafted), self.draft_rate, self.draft_count)
+        self.draft_count += 1
+
+    def _observe(self, depth: int, rank: int, hit: bool) -> None:
+        d = depth - 1
+        if d >= self.max_depth or rank >= self.max_rank:
+            return
+        self.rate[d, rank] = self._ema(float(hit), self.rate[d, rank], self.count[d, rank])
+        self.count[d, rank] += 1
+        self._table = None
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """One chain step: `drafted` tokens verified, the first `accepted` of them accepted. Depths past the first
+        rejection were never tested and are left alone."""
+        if not 0 <= accepted <= drafted:
+            raise ValueError(f"accepted must be in [0, drafted] (got {accepted} of {drafted})")
+        self._observe_rate(drafted > 0)
+        for depth in range(1, min(accepted + 1, drafted) + 1):
+            self._observe(depth, 0, depth <= accepted)
+
+    def update_tree(self, offered: Sequence[int], accepted_ranks: Sequence[int]) -> None:
+        """One tree step. offered[i]: how many candidates (ranks 0..offered[i]-1) the tree held at depth i+1 under
+        the accepted path; accepted_ranks[i]: the rank the target took there. A shorter `accepted_ranks` means the
+        depth after it was rejected (every offered rank missed)."""
+        if len(accepted_ranks) > len(offered):
+            raise ValueError("more accepted depths than offered depths")
+        self._observe_rate(len(offered) > 0 and offered[0] > 0)
+        for i, m in enumerate(offered):
+            hit = accepted_ranks[i] if i < len(accepted_ranks) else None
+            if hit is not None and not 0 <= hit < m:
+                raise ValueError(f"depth {i + 1}: accepted rank {hit} not among the {m} offered")
+            for r in range(min(m, self.max_rank)):
+                self._observe(i + 1, r, r == hit)
+            if hit is None:
+                break
+
+    # ------------------------------------------------------------------ queries
+    def table(self) -> np.ndarray:
+        """[max_depth, max_rank] a[depth, rank] made consistent: non-increasing in rank, each depth summing to <= 1
+        (raw moving averages of different ranks can disagree)."""
+        if self._table is None or not np.array_equal(self._table_of, self.rate):  # `rate` may be set directly
+            self._table_of = self.rate.copy()
+            t = np.clip(self.rate, 0.0, 1.0)
+            t[:, 1:] = np.minimum(t[:, 1:], np.minimum.accumulate(t, axis=1)[:, :-1])
+            room = 1.0 - np.concatenate([np.zeros((t.shape[0], 1)), np.cumsum(t, axis=1)[:, :-1]], axis=1)
+            self._table = np.maximum(np.minimum(t, room), 0.0)
+        return self._table
+
+    def accept_prob(self, depth: int, rank: int = 0) -> float:
+        """a[depth, rank] from `table()`; depths past max_depth reuse the last one, ranks past max_rank are 0."""
+        if depth < 1 or rank < 0:
+            raise ValueError(f"depth >= 1 and rank >= 0 (got {depth}, {rank})")
+        if rank >= self.max_rank:
+            return 0.0
+        return float(self.table()[min(depth, self.max_depth) - 1, rank])
+
+    def node_probs(self, shape: TreeShape) -> np.ndarray:
+        """[N] probability that each node is accepted (given the drafter proposed this step)."""
+        t = self.table()
+        p = [1.0]
+        for parent, depth, rank in zip(shape.parents, shape.depths, shape.ranks):
+            p.append(p[parent] * (float(t[min(depth, self.max_depth) - 1, rank]) if rank < self.max_rank else 0.0))
+        return np.asarray(p[1:])
+
+    def expected_accepted(self, shape: TreeShape | int) -> float:
+        """E[accepted draft tokens per verify call] for a tree shape (or a chain length)."""
+        if isinstance(shape, int):
+            shape = TreeShape.chain(shape)
+        return self.draft_rate * float(self.node_probs(shape).sum())
+
+    def best_first(self, n: int) -> TreeShape:
+        """The n-node tree with the largest E[accepted]: nodes in decreasing order of P(node accepted).
+
+        Optimal for this model because a node's probability never exceeds its parent's (a <= 1) nor its lower-rank
+        sibling's (a non-increasing in rank), so the n most probable nodes always form a valid tree (Sequoia's
+        and SpecInfer's dynamic-tree argument). Prefixes of the result are the best smaller trees."""
+        parents, ranks, probs = [], [], [1.0]
+        depth_of = [0]
+        heap: list[tuple[float, int, int, int, int]] = []  # (-p, tiebreak, parent index, depth, rank)
+        seq = 0
+
+        def push(parent: int, depth: int, rank: int):
+            nonlocal seq
+            if depth > self.max_depth or rank >= self.max_rank:
+                return
+            p = probs[parent] * self.accept_prob(depth, rank)
+            if p > 0:
+                heapq.heappush(heap, (-p, seq, parent, depth, rank))
+                seq += 1
+
+        push(0, 1, 0)
+        while heap and len(parents) < n:
+            negp, _, parent, depth, rank = heapq.heappop(heap)
+            parents.append(parent)
+            ranks.append(rank)
+            probs.append(-negp)
+            depth_of.append(depth)
+            me = len(parents)  # index of this node in [root] + nodes
+            push(me, depth + 1, 0)
+            push(parent, depth, rank + 1)
+        name = "best-first" if parents else "none"
+        return TreeShape(name, tuple(parents), tuple(ranks))
+
+    # ------------------------------------------------------------------ persistence (calibration JSON)
+    def to_dict(self) -> dict:
+        return {"rate": self.rate.round(6).tolist(), "count": self.count.tolist(), "draft_rate": self.draft_rate,
+                "draft_count": self.draft_count, "beta": self.beta, "prior_weight": self.prior_weight}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AcceptanceStats":
+        rate = np.asarray(d["rate"], np.float64)
+        s = cls(0.0, beta=d.get("beta", 0.1), prior_weight=d.get("prior_weight", 4.0), max_depth=rate.shape[0],
+                max_rank=rate.shape[1], draft_rate=d.get("draft_rate", 1.0))
+        s.rate, s._table = rate, None
+        s.count = np.asarray(d.get("count", np.zeros_like(rate)), np.float64)
+        s.draft_count = float(d.get("draft_count", 0.0))
+        return s
+
+    def __repr__(self) -> str:
+        head = ", ".join(f"{self.accept_prob(d):.2f}" for d in range(1, 5))
+        return f"AcceptanceStats(a[1..4, rank 0]=[{head}], draft_rate={self.draft_rate:.2f})"

@@ -1,0 +1,393 @@
+"""The footprint model: the peak memory a plan needs, component by component, from manifest numbers and a few
+calibrated constants. Pure arithmetic: no sessions, no files, no onnxruntime.
+
+MB means 2**20 bytes throughout (what psutil's RSS / 2**20 and `top` show).
+
+Components of `predict_peak` (each in bytes, named in `Footprint.parts`):
+
+    baseline          Python + numpy + onnxruntime + tokenizer, before any session (calibrated constant)
+    <g>.weights       resident weights of graph g (see `resident_weight_bytes`)
+    <g>.session       ORT session bookkeeping: a + b·layers (calibrated)
+    <g>.kv            2·layers·kv_heads·head_dim·elem per slot: context + the verify call's slots (or `capacity`)
+    <g>.logits        the bound logits buffer, grown to the widest call: [rows, vocab] float32
+    <g>.arena         ORT's activation arena, which keeps its high-water mark: max over the calls the plan makes
+                      (prefill chunks and verify/draft calls) of a + b·S·hidden + c·R·vocab + e·S·T
+    runtime.bias      the largest attention-bias array the runtime builds for one call: [S, T] float32
+    verify.work       sampling only: p [S, V] float32 and the model drafter's q [K, V] float64
+    lookup.state      prompt-lookup history + n-gram index (bytes per context token)
+    recycling.matrix  Token Recycling's adjacency matrix [V, k] (uint16 when V < 65536, else int32) + a [V] bool mask
+
+where <g> is `target` or `drafter` (a model drafter only), S the rows of a call, R the logits rows it keeps,
+T = context + S the attention span.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Mapping
+
+MB = 1 << 20
+PAGE = 4096
+DRAFTERS = ("none", "lookup", "recycling", "hybrid", "model")  # hybrid: lookup chains + recycling trees
+PRECISIONS = ("fp32", "fp16", "int8", "int4")
+QUANT_BITS = {"int4": 4, "int8": 8}
+# Element size of the float tensors (embedding, norms, rotary tables, scales, float matmuls): the exporter keeps
+# fp32 floats for quantized bodies and switches everything to fp16 only for an fp16 export (export/graph.py).
+FLOAT_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int4": 4}
+# edge.drafters.LookupDrafter's own accounting: 8 B per history entry + ~120 B per n-gram index entry, up to
+# (max_ngram - min_ngram + 1) = 4 new n-grams per token.
+LOOKUP_BYTES_PER_TOKEN = 8 + 4 * 120
+RECYCLING_K = 8
+# edge.runner.GraphSession: calls of up to 256 rows with all logits kept; a prefill chunk of 512 keeps one row
+MAX_CALL = 256
+PREFILL_CHUNK = 512
+# ONNX protobuf (graph structure, small inline constants) beside the external data: fitted to the two SmolLM2
+# graphs of the embedded export (107,717 B for 30 layers, 8,855 B for 2).
+PROTO_BYTES = (1_800, 3_530)  # base, per layer
+
+
+def kv_elem_bytes(kv_dtype: str) -> int:
+    return 2 if kv_dtype == "float16" else 4
+
+
+def kv_bytes_per_token(arch: Mapping, layers: int, kv_dtype: str = "float32") -> int:
+    """2 (K and V) · layers · kv_heads · head_dim · element size — the same as Manifest.kv_bytes_per_token."""
+    return 2 * layers * arch["kv_heads"] * arch["head_dim"] * kv_elem_bytes(kv_dtype)
+
+
+# ---------------------------------------------------------------------------------------------- weights
+@dataclass(frozen=True)
+class LinearBytes:
+    """Bytes of one or more linear layers as the exporter stores them (MatMulNBits or plain MatMul)."""
+    packed: int = 0  # MatMulNBits B: [N, n_blocks, block_size·bits/8] uint8
+    scales: int = 0  # [N · n_blocks] float
+    zero_points: int = 0  # [N · ceil(n_blocks·bits/8)] uint8 (asymmetric export, the default)
+    float_weight: int = 0  # plain MatMul weight [K, N]
+
+    @property
+    def total(self) -> int:
+        return self.packed + self.scales + self.zero_points + self.float_weight
+
+    def __add__(self, o: "LinearBytes") -> "LinearBytes":
+        return LinearBytes(self.packed + o.packed, self.scales + o.scales, self.zero_points + o.zero_points,
+                           self.float_weight + o.float_weight)
+
+    def __mul__(self, n: int) -> "LinearBytes":
+        return LinearBytes(self.packed * n, self.scales * n, self.zero_points * n, self.float_weight * n)
+
+
+def linear_bytes(k: int, n: int, bits: int | None, block_size: int = 32, float_bytes: int = 4,
+                 zero_points: bool = True) -> LinearBytes:
+    """y = x @ W with W [K, N]: int4 MatMulNBits = K·N/2 + scales (K/block)·N·4 (+ zero points (K/block)·N/2)."""
+    if not bits:
+        return LinearBytes(float_weight=k * n * float_bytes)
+    nb = -(-k // block_size)
+    return LinearBytes(packed=n * nb * block_size * bits // 8, scales=n * nb * float_bytes,
+                       zero_points=n * -(-nb * bits // 8) if zero_points else 0)
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    """On-disk bytes of one exported graph (onnx + external data), by part."""
+    embedding: int  # [vocab, hidden] float (a Gather)
+    body: LinearBytes  # every decoder layer's qkv, o, gate_up, down
+    head: LinearBytes  # lm_head [hidden, graph vocab]
+    rotary: int  # cos/sin caches [max_len, head_dim/2] each
+    norms: int  # 2·layers + 1 RMSNorm weights
+    other: int  # qkv biases, drafter adapter; for a manifest graph also what the prediction misses (may be < 0)
+    proto: int  # graph structure and small constants in model.onnx
+    embedding_row: int = 0  # bytes of one embedding row (hidden · element size)
+
+    @property
+    def total(self) -> int:
+        return self.embedding + self.body.total + self.head.total + self.rotary + self.norms + self.other + self.proto
+
+
+def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int | None = None,
+                         precision: str = "int4", block_size: int = 32, lm_head_bits: int | None = None,
+                         max_len: int | None = None, zero_points: bool = True, adapter: bool = False) -> WeightBytes:
+    """What `export.graph.build_graph` writes for these settings, from architecture numbers alone (what-if planning:
+    another precision, block size, drafter depth or trimmed vocabulary). `vocab`: the logits width (trimmed for
+    drafters; the embedding always covers the full vocabulary). `lm_head_bits`: None = the exporter's default
+    (8 for int bodies, float for fp32/fp16), 0 = float head."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    a = arch
+    layers = a["layers"] if layers is None else layers
+    vocab = a["vocab"] if vocab is None else vocab
+    max_len = max_len or a.get("max_positions") or 4096
+    fb = FLOAT_BYTES[precision]
+    bits = QUANT_BITS.get(precision)
+    if lm_head_bits is None:
+        head_bits = 8 if bits else None
+    else:
+        head_bits = lm_head_bits or None
+    hidden, hd, inter = a["hidden"], a["head_dim"], a["intermediate"]
+    q_dim, kv_dim = a["heads"] * hd, a["kv_heads"] * hd
+
+    def lin(k, n, b):
+        return linear_bytes(k, n, b, block_size, fb, zero_points)
+
+    layer = lin(hidden, q_dim + 2 * kv_dim, bits) + lin(q_dim, hidden, bits) + lin(hidden, 2 * inter, bits) \
+        + lin(inter, hidden, bits)
+    other = layers * (q_dim + 2 * kv_dim) * fb if a.get("qkv_bias") else 0
+    other += hidden * hidden * fb if adapter else 0
+    return WeightBytes(
+        embedding=a["vocab"] * hidden * fb,
+        body=layer * layers,
+        head=lin(hidden, vocab, head_bits),
+        rotary=2 * max_len * (hd // 2) * fb,
+        norms=(2 * layers + 1) * hidden * fb,
+        other=other,
+        proto=PROTO_BYTES[0] + PROTO_BYTES[1] * layers,
+        embedding_row=hidden * fb,
+    )
+
+
+def graph_weight_bytes(manifest, graph) -> WeightBytes:
+    """The parts of an exported graph: `predict_weight_bytes` for its entry (layers, logits width, precision, head,
+    rotary length), reconciled with the manifest's measured `weight_bytes` when it has one — whatever the predictor
+    does not explain (an export option the manifest does not record, e.g. a drafter adapter or a symmetric
+    export's missing zero points) goes into `other`, so the total is always the file size."""
+    w = predict_weight_bytes(manifest.arch, layers=graph.layers, vocab=graph.vocab, precision=graph.precision,
+                             block_size=graph.block_size or 32, lm_head_bits=graph.lm_head_bits,
+                             max_len=graph.max_len or None)
+    if graph.weight_bytes:
+        w = replace(w, other=w.other + graph.weight_bytes - w.total)
+    return w
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+@dataclass(frozen=True)
+class Calibration:
+    """Constants of the footprint model for one device class. `edge-profile` measures them; these defaults are
+    what the `source` line says."""
+    device_class: str = "cpu"
+    baseline_mb: float = 85.0  # process before any session: Python, numpy, onnxruntime, tokenizers + tokenizer
+    session_mb: float = 1.5  # per ORT session ...
+    session_mb_per_layer: float = 0.5  # ... plus this per decoder layer (kernel objects, prepack bookkeeping)
+    # "prepacked": CPU EP — MatMulNBits weights are repacked into anonymous memory (packed bits, scales, and one
+    # more scale-sized block of per-block sums for int8-activation kernels); other initializers stay in the
+    # memory-mapped external data file and are paged in as touched. "full": every weight byte resident (GPU/NPU).
+    weights: str = "prepacked"
+    prepack_scale_copies: float = 2.0
+    embedding_touch_ratio: float = 0.5  # distinct tokens per context token (pages of the embedding touched)
+    act_mb: float = 0.0  # a: fixed arena
+    act_bytes_per_row_hidden: float = 80.0  # b: per row and hidden unit (all of a layer's live activations)
+    act_bytes_per_row_vocab: float = 0.0  # c: per kept logits row and vocab entry (0 here: the head writes
+    # straight into the bound logits buffer, counted as <g>.logits)
+    attn_bytes_per_row_token: float = 8.0  # e: attention scores per query row and key position; measured ≈ 4 B
+    # per thread (2 threads). GQA's CPU source allocates heads·4 B, but only the pages it touches become resident
+    source: str = ("measured on this host (2-core x86, onnxruntime 1.31.1 CPU EP, 2 threads) on the embedded "
+                   "SmolLM2-135M int4 export: RSS after imports, after session creation (KV subtracted), and after "
+                   "single calls of S = 1..512 rows at 0..3000 past tokens")
+
+    def __post_init__(self):
+        if self.weights not in ("prepacked", "full"):
+            raise ValueError(f"calibration weights={self.weights!r}: 'prepacked' or 'full'")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and v < 0:
+                raise ValueError(f"calibration {f.name} must be >= 0 (got {v})")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None, device_class: str = "cpu") -> "Calibration":
+        """Defaults of `device_class`, overridden by the keys of `d` (the "memory" section of a calibration JSON)."""
+        base = DEFAULT_CALIBRATIONS.get(device_class)
+        if base is None:
+            raise ValueError(f"device class {device_class!r}: choose one of {', '.join(DEFAULT_CALIBRATIONS)}")
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        bad = sorted(set(d) - known)
+        if bad:
+            raise ValueError(f"unknown memory calibration key(s) {bad}; known: {sorted(known)}")
+        d = {k: (float(v) if isinstance(getattr(base, k), float) else v) for k, v in d.items()}
+        return replace(base, **d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+DEFAULT_CALIBRATIONS: dict[str, Calibration] = {
+    "cpu": Calibration(),
+    # Not measured here (no GPU/NPU on this machine): the same activation tensors, everything resident on the device,
+    # no materialized attention scores (flash / memory-efficient attention), one device copy of the kept logits.
+    "gpu": Calibration(device_class="gpu", baseline_mb=300.0, session_mb=8.0, session_mb_per_layer=0.5,
+                       weights="full", prepack_scale_copies=1.0, embedding_touch_ratio=1.0,
+                       act_bytes_per_row_hidden=80.0, act_bytes_per_row_vocab=4.0, attn_bytes_per_row_token=0.0,
+                       source="assumed, not measured: CUDA context with lazy module loading (~300 MB), weights "
+                              "copied to device memory; re-measure with edge-profile"),
+    "npu": Calibration(device_class="npu", baseline_mb=85.0, session_mb=16.0, session_mb_per_layer=0.5,
+                       weights="full", prepack_scale_copies=1.0, embedding_touch_ratio=1.0,
+                       act_bytes_per_row_hidden=40.0, act_bytes_per_row_vocab=2.0, attn_bytes_per_row_token=8.0,
+                       source="assumed, not measured: the host process plus the compiled context binary in shared "
+                              "memory, fp16 activations (half the CPU's b); re-measure with edge-profile"),
+}
+
+
+# ---------------------------------------------------------------------------------------------- what is planned
+@dataclass(frozen=True)
+class Speculation:
+    """The memory-relevant part of a plan: which drafter and how many draft tokens each verify call carries."""
+    drafter: str = "none"  # none | lookup | recycling | hybrid | model
+    nodes: int = 0  # draft tokens per verify call (chain length K or tree node budget N; the root not counted)
+    draft_graph: str | None = None  # drafter "model": the manifest graph (default: the first drafter graph)
+    draft_width: int = 1  # rows of the widest drafter call (1 when drafting a chain token by token)
+    recycling_k: int = RECYCLING_K  # successors per token kept by Token Recycling
+    verify_topk: int = 0  # > 0: an on-graph top-k kernel returns ids + probs [S, k] instead of logits [S, V]
+    sampling: bool = False  # temperature > 0: p and q arrays exist during verification
+
+    def __post_init__(self):
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter {self.drafter!r}: choose one of {', '.join(DRAFTERS)}")
+        if self.nodes < 0 or (self.drafter == "none") != (self.nodes == 0):
+            raise ValueError(f"drafter {self.drafter!r} with {self.nodes} nodes: 'none' has 0, the others >= 1")
+        if self.draft_width < 1 or self.recycling_k < 1 or self.verify_topk < 0:
+            raise ValueError("draft_width and recycling_k must be >= 1, verify_topk >= 0")
+
+    @property
+    def verify_rows(self) -> int:
+        return self.nodes + 1
+
+
+def _speculation(plan) -> Speculation:
+    if isinstance(plan, Speculation):
+        return plan
+    spec = getattr(plan, "speculation", None)
+    if isinstance(spec, Speculation):
+        return spec
+    raise TypeError(f"expected a Speculation or a Plan, got {type(plan).__name__}")
+
+
+def kv_capacity(context: int, plan, min_call: int = 1) -> int:
+    """KV slots to preallocate for `context` committed tokens plus the widest verify call's uncommitted ones."""
+    return context + max(_speculation(plan).verify_rows, min_call)
+
+
+# ---------------------------------------------------------------------------------------------- the footprint
+@dataclass(frozen=True)
+class Footprint:
+    context: int
+    parts: tuple[tuple[str, int], ...]  # (component, bytes), in a fixed order
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b for _, b in self.parts)
+
+    @property
+    def total_mb(self) -> float:
+        return self.total_bytes / MB
+
+    def __getitem__(self, name: str) -> int:
+        for n, b in self.parts:
+            if n == name:
+                return b
+        raise KeyError(f"{name!r}: components are {[n for n, _ in self.parts]}")
+
+    def get(self, name: str, default: int = 0) -> int:
+        return dict(self.parts).get(name, default)
+
+    def breakdown_mb(self) -> dict[str, float]:
+        return {n: b / MB for n, b in self.parts}
+
+    def to_dict(self) -> dict:
+        return {"context": self.context, "total_mb": round(self.total_mb, 2),
+                "components_mb": {n: round(b / MB, 3) for n, b in self.parts}}
+
+
+def resident_weight_bytes(w: WeightBytes, calib: Calibration, context: int) -> int:
+    """Weights as they sit in memory once a session is loaded and `context` tokens have been embedded."""
+    if calib.weights == "full":
+        return w.total - w.proto
+    quant = w.body + w.head
+    prepacked = quant.packed + round(quant.scales * calib.prepack_scale_copies) + quant.zero_points \
+        + quant.float_weight
+    # the embedding is a memory-mapped Gather table: only the pages of tokens actually looked up are resident
+    touched = math.ceil(calib.embedding_touch_ratio * context) * max(w.embedding_row, PAGE)
+    return prepacked + min(w.embedding, touched) + w.rotary + w.norms + w.other
+
+
+def arena_bytes(calib: Calibration, hidden: int, vocab: int, rows: int, kept: int, span: int) -> int:
+    """ORT activation workspace of one call: a + b·S·hidden + c·R·vocab + e·S·T."""
+    return round(calib.act_mb * MB + calib.act_bytes_per_row_hidden * rows * hidden
+                 + calib.act_bytes_per_row_vocab * kept * vocab + calib.attn_bytes_per_row_token * rows * span)
+
+
+def _graph(manifest, name: str | None):
+    drafters = manifest.drafters
+    if not drafters:
+        raise ValueError(f"{manifest.name}: no drafter graph in the manifest (drafter 'model' needs one)")
+    if name is None:
+        return drafters[0]
+    for g in drafters:
+        if g.name == name:
+            return g
+    raise ValueError(f"drafter graph {name!r} not in the manifest (has {[g.name for g in drafters]})")
+
+
+def _session_parts(prefix: str, manifest, graph, calib: Calibration, context: int, call_rows: int,
+                   kept_rows: int, prefill_chunk: int, slots: int) -> tuple[list[tuple[str, int]], int]:
+    """Weights, session, KV, logits and arena of one graph session → (parts, widest bias [S, T] bytes).
+    `slots`: the KV buffer's capacity; attention scratch and bias only touch the `context + S` positions in use."""
+    a = manifest.arch
+    w = graph_weight_bytes(manifest, graph)
+    span = context + call_rows
+    chunk = max(1, min(prefill_chunk, context))
+    arena = max(arena_bytes(calib, a["hidden"], graph.vocab, call_rows, kept_rows, span),
+                arena_bytes(calib, a["hidden"], graph.vocab, chunk, 1, span))
+    parts = [
+        (f"{prefix}.weights", resident_weight_bytes(w, calib, context)),
+        # + edge.runner's per-session arrays: a zero bias row over capacity + MAX_CALL and a causal block
+        (f"{prefix}.session", round((calib.session_mb + calib.session_mb_per_layer * graph.layers) * MB)
+         + (slots + MAX_CALL) * 4 + MAX_CALL * MAX_CALL * 4),
+        (f"{prefix}.kv", kv_bytes_per_token(a, graph.layers, graph.kv_dtype) * slots),
+        (f"{prefix}.logits", max(kept_rows, 1) * graph.vocab * 4),
+        (f"{prefix}.arena", arena),
+    ]
+    bias = max((r for r in (call_rows, chunk) if r > 1), default=0) * span * 4  # a 1-row call reuses a view
+    return parts, bias
+
+
+def predict_peak(manifest, plan, context: int, calib: Calibration | None = None, *,
+                 prefill_chunk: int = PREFILL_CHUNK, min_call: int = 1, verify_rows: int | None = None,
+                 capacity: int | None = None) -> Footprint:
+    """Peak memory of running `plan` (a Plan or a Speculation) with `context` tokens in the KV cache.
+
+    `capacity`: KV slots preallocated per graph (default: `kv_capacity(context, plan)`, i.e. a buffer sized to the
+    context); pass the runtime's allocation when it is larger than what is in use. `prefill_chunk`: rows per
+    prefill call (the arena keeps the largest); `min_call`: the runtime pads every call to at least this many rows
+    (edge.runner pads single-token calls to 2 where a kernel is row-count sensitive); `verify_rows`: the target's
+    verify call is padded to this many rows (a static shape bucket)."""
+    if context < 1:
+        raise ValueError(f"context must be >= 1 token (got {context})")
+    spec = _speculation(plan)
+    calib = calib or DEFAULT_CALIBRATIONS["cpu"]
+    a = manifest.arch
+    target = manifest.target
+    rows = max(spec.verify_rows, min_call, verify_rows or 0)
+    slots = max(capacity or 0, context + rows)
+    parts: list[tuple[str, int]] = [("baseline", round(calib.baseline_mb * MB))]
+    tparts, bias = _session_parts("target", manifest, target, calib, context, rows, rows, prefill_chunk, slots)
+    if spec.verify_topk:  # ids int64 + probs float32 per kept row instead of the full vocabulary
+        tparts[3] = ("target.logits", rows * spec.verify_topk * 12 + target.vocab * 4)
+    parts += tparts
+    if spec.drafter == "model":
+        g = _graph(manifest, spec.draft_graph)
+        width = max(spec.draft_width, min_call)
+        # the drafter's cache also holds the draft tokens it fed itself before verification
+        dslots = max(capacity or 0, context + spec.nodes + 1)
+        dparts, dbias = _session_parts("drafter", manifest, g, calib, context, width + 1, width, prefill_chunk,
+                                       dslots)
+        parts += dparts
+        parts.append(("drafter.id_map", g.vocab * 8 if g.id_map else 0))
+        bias = max(bias, dbias)
+    parts.append(("runtime.bias", bias))
+    if spec.sampling:
+        q = spec.nodes * a["vocab"] * 8 if spec.drafter == "model" else 0
+        parts.append(("verify.work", rows * target.vocab * 4 + q))
+    if spec.drafter in ("lookup", "hybrid"):
+        parts.append(("lookup.state", context * LOOKUP_BYTES_PER_TOKEN))
+    if spec.drafter in ("recycling", "hybrid"):
+        elem = 2 if a["vocab"] < 65536 else 4  # + the drafter's `seen` mask, one bool per token
+        parts.append(("recycling.matrix", a["vocab"] * spec.recycling_k * elem + a["vocab"]))
+    return Footprint(context, tuple(parts))

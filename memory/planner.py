@@ -1,0 +1,471 @@
+"""The budget planner: the drafter, draft length K or tree of N nodes that maximizes expected tokens/s among the
+plans whose predicted peak memory fits the budget.
+
+    tokens/s = E[accepted + 1] / (t_draft + t_verify(S) + overhead),   S = N + 1 rows per verify call
+
+E[accepted] comes from `AcceptanceStats` (per depth and rank, updated online), t_verify from a latency curve
+(a calibration's measurements, or the default shape below), peak memory from `footprint.predict_peak`.
+Re-planning as the KV cache grows (`replan`) never grows the plan back: it shrinks the tree, then K, then moves
+to a cheaper drafter, then plain decoding; only when plain decoding does not fit does it raise `BudgetError`.
+
+A profile is duck-typed (`devices.DeviceProfile` fits): budget_mb, device_class, simulated, shape_buckets,
+prefill_chunk, weight_precisions, calibration (dict), name. None means an unconstrained CPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from .acceptance import AcceptanceStats, TreeShape
+from .footprint import (DRAFTERS, MB, PREFILL_CHUNK, Calibration, Footprint, Speculation, _graph,
+                        predict_peak)
+
+# Verify-call latency relative to one token, measured on the embedded SmolLM2-135M int4 export on this host
+# (t(8) ≈ 1.7·t(1), t(16) ≈ 2.2·t(1), t(1) ≈ 9 ms). Beyond the last point a call is taken as compute-bound
+# (time proportional to S), which is pessimistic for big trees rather than optimistic.
+DEFAULT_VERIFY_SHAPE = ((1, 1.0), (8, 1.7), (16, 2.2))
+DEFAULT_T1_MS = 9.0
+DEFAULT_LOOKUP_MS = 0.05  # a dict probe per n-gram length: negligible next to a verify call (assumed)
+DEFAULT_RECYCLING_MS = 0.10  # a breadth-first walk of the [V, k] adjacency matrix (assumed)
+# Priors until online statistics arrive: (acceptance per depth, share of steps with a non-empty draft). Assumed,
+# not measured: prompt lookup finds a match in about half the steps of a fresh chat; Token Recycling always drafts.
+DEFAULT_PRIORS = {"lookup": (0.30, 0.5), "recycling": (0.35, 1.0), "hybrid": (0.40, 1.0)}
+DEFAULT_MODEL_PRIOR = 0.30  # a model drafter whose manifest has no measured top1_agreement
+DEFAULT_DRAFTERS = ("none", "lookup", "model")  # what edge/ runs today; pass drafters= to add "recycling"
+TREE_DRAFTERS = ("recycling", "hybrid")  # can fill a tree (ModelDrafter drafts chains); () if trees are inexact
+MAX_CHAIN = 16
+MAX_NODES = 64
+# "cheaper" for re-planning: model drafters (largest first), hybrid, Token Recycling, lookup, none
+_DRAFTER_RANK = {"none": 0, "lookup": 1, "recycling": 2, "hybrid": 3, "model": 4}
+
+
+class BudgetError(Exception):
+    """Even plain decoding does not fit; says how many MB it needs and how many there are."""
+
+    def __init__(self, required_mb: float, available_mb: float, context: int, hint: str = ""):
+        self.required_mb, self.available_mb, self.context = required_mb, available_mb, context
+        super().__init__(
+            f"plain decoding at context {context} needs {required_mb:.1f} MB but the memory budget is "
+            f"{available_mb:.1f} MB; " + (hint or f"raise --budget-mb to at least {math.ceil(required_mb)}"))
+
+
+class PlanError(ValueError):
+    """A request the planner cannot serve for reasons other than memory (precision, shapes, context)."""
+
+
+# ---------------------------------------------------------------------------------------------- latency
+@dataclass(frozen=True)
+class LatencyCurve:
+    """Milliseconds of one call of S rows: piecewise linear through measured (S, ms) points, flat below the first,
+    proportional to S beyond the last."""
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self):
+        pts = tuple(sorted((int(s), float(t)) for s, t in self.points))
+        if not pts or pts[0][0] < 1 or any(t <= 0 for _, t in pts) or len({s for s, _ in pts}) != len(pts):
+            raise ValueError(f"latency points need distinct S >= 1 and ms > 0 (got {self.points})")
+        object.__setattr__(self, "points", pts)
+
+    @classmethod
+    def scaled(cls, t1_ms: float, shape: Sequence[tuple[int, float]] = DEFAULT_VERIFY_SHAPE) -> "LatencyCurve":
+        return cls(tuple((s, t1_ms * r) for s, r in shape))
+
+    def __call__(self, s: int) -> float:
+        pts = self.points
+        if s <= pts[0][0]:
+            return pts[0][1]
+        for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
+            if s <= s1:
+                return t0 + (t1 - t0) * (s - s0) / (s1 - s0)
+        sl, tl = pts[-1]
+        return tl * s / sl
+
+
+@dataclass(frozen=True)
+class Latency:
+    target: LatencyCurve
+    drafters: Mapping[str, LatencyCurve] = field(default_factory=dict)  # model drafter graph name → curve
+    lookup_ms: float = DEFAULT_LOOKUP_MS
+    recycling_ms: float = DEFAULT_RECYCLING_MS
+    overhead_ms: float = 0.0  # per step, outside the model calls (the engine's Python)
+
+    @classmethod
+    def from_calibration(cls, manifest, d: Mapping[str, Any] | None = None) -> "Latency":
+        """The "latency" section of a calibration JSON: {"target": [[S, ms], ...], "drafters": {graph: [[S, ms],
+        ...]}, "lookup_ms", "recycling_ms", "overhead_ms"}. Missing curves: the manifest's export-time
+        latency_ms_s1 (or DEFAULT_T1_MS) times DEFAULT_VERIFY_SHAPE."""
+        d = dict(d or {})
+        known = {"target", "drafters", "lookup_ms", "recycling_ms", "overhead_ms"}
+        bad = sorted(set(d) - known)
+        if bad:
+            raise ValueError(f"unknown latency calibration key(s) {bad}; known: {sorted(known)}")
+        t = d.get("target")
+        target = LatencyCurve(tuple(map(tuple, t))) if t else \
+            LatencyCurve.scaled(manifest.target.stats.get("latency_ms_s1") or DEFAULT_T1_MS)
+        measured = {k: LatencyCurve(tuple(map(tuple, v))) for k, v in (d.get("drafters") or {}).items()}
+        curves = {}
+        for g in manifest.drafters:
+            if g.name in measured:
+                curves[g.name] = measured[g.name]
+            else:  # no export-time number either: scale the target by the layer ratio
+                t1 = g.stats.get("latency_ms_s1") or target(1) * g.layers / max(manifest.target.layers, 1)
+                curves[g.name] = LatencyCurve.scaled(t1)
+        return cls(target, curves, float(d.get("lookup_ms", DEFAULT_LOOKUP_MS)),
+                   float(d.get("recycling_ms", DEFAULT_RECYCLING_MS)), float(d.get("overhead_ms", 0.0)))
+
+    def draft_ms(self, spec: Speculation, shape: TreeShape, bucket=lambda s: s) -> float:
+        if spec.drafter == "none":
+            return 0.0
+        if spec.drafter == "lookup":
+            return self.lookup_ms
+        if spec.drafter == "recycling":
+            return self.recycling_ms
+        if spec.drafter == "hybrid":
+            return self.lookup_ms + self.recycling_ms
+        curve = self.drafters[spec.draft_graph]
+        return sum(curve(bucket(w)) for w in shape.widths)  # one drafter call per depth
+
+
+# ---------------------------------------------------------------------------------------------- acceptance
+def default_stats(manifest) -> dict[str, AcceptanceStats]:
+    """Priors per drafter key: "lookup", "recycling", "hybrid", and each model drafter graph's name (its
+    manifest top1_agreement as the per-depth rate)."""
+    out = {k: AcceptanceStats(a, draft_rate=h) for k, (a, h) in DEFAULT_PRIORS.items()}
+    for g in manifest.drafters:
+        out[g.name] = AcceptanceStats(g.stats.get("top1_agreement", DEFAULT_MODEL_PRIOR))
+    return out
+
+
+def _stats_for(stats: Mapping[str, AcceptanceStats], spec: Speculation) -> AcceptanceStats:
+    return stats[spec.draft_graph if spec.drafter == "model" else spec.drafter]
+
+
+# ---------------------------------------------------------------------------------------------- plans
+@dataclass(frozen=True)
+class Plan:
+    drafter: str  # none | lookup | recycling | hybrid | model
+    k: int  # chain draft length (0 for a tree or plain decoding)
+    nodes: int  # draft tokens per verify call: K for a chain, the node budget N for a tree
+    tree: str  # "none" | "chain" | "best-first"
+    max_context: int  # the largest context this plan still fits the budget at (re-plan before passing it)
+    peak_mb: float  # predicted peak at the context it was planned for
+    tokens_per_s: float  # predicted
+    reason: str
+    draft_graph: str | None = None  # drafter "model": the manifest graph
+    parents: tuple[int, ...] = ()  # the tree (Draft.parents convention), for a drafter to fill
+    ranks: tuple[int, ...] = ()
+    speedup: float = 1.0  # predicted, over plain decoding on the same device
+    expected_accepted: float = 0.0  # draft tokens accepted per verify call
+    context: int = 0
+    budget_mb: float = 0.0
+    plain_peak_mb: float = 0.0
+    verify_rows: int = 1  # rows of each target call (after static-shape padding)
+    draft_width: int = 1  # rows of the widest drafter call (model drafters)
+    sampling: bool = False
+
+    @property
+    def shape(self) -> TreeShape:
+        return TreeShape(self.tree, self.parents, self.ranks)
+
+    @property
+    def speculation(self) -> Speculation:
+        return Speculation(self.drafter, self.nodes, self.draft_graph, draft_width=self.draft_width,
+                           sampling=self.sampling)
+
+    @property
+    def extra_mb(self) -> float:
+        """Memory speculation adds over plain decoding at the same context."""
+        return self.peak_mb - self.plain_peak_mb
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["parents"], d["ranks"] = list(self.parents), list(self.ranks)
+        for k in ("peak_mb", "tokens_per_s", "speedup", "expected_accepted", "plain_peak_mb", "budget_mb"):
+            d[k] = round(d[k], 3)
+        return d
+
+
+@dataclass(frozen=True)
+class Candidate:
+    speculation: Speculation
+    shape: TreeShape
+    verify_rows: int
+    expected_accepted: float
+    step_ms: float
+    tokens_per_s: float
+    context: int
+    setup: "_Setup" = field(repr=False, compare=False)
+
+    @cached_property
+    def footprint(self) -> Footprint:  # computed on demand: the planner only prices the plans it might pick
+        return self.setup.peak(self.speculation, self.context, self.verify_rows)
+
+    @property
+    def peak_mb(self) -> float:
+        return self.footprint.total_mb
+
+
+@dataclass
+class _Setup:
+    manifest: Any
+    calib: Calibration
+    latency: Latency
+    stats: Mapping[str, AcceptanceStats]
+    buckets: tuple[int, ...]
+    prefill_chunk: int
+    min_call: int
+    capacity: int | None = None  # KV slots the runtime preallocated (None: sized to the context)
+    plain_rows: int = 1
+
+    def bucket(self, s: int) -> int:
+        s = max(s, self.min_call)
+        if not self.buckets:
+            return s
+        for b in self.buckets:
+            if b >= s:
+                return b
+        raise PlanError(f"no compiled shape bucket holds {s} rows (buckets {self.buckets})")
+
+    def peak(self, spec: Speculation, context: int, rows: int) -> Footprint:
+        return predict_peak(self.manifest, spec, context, self.calib, prefill_chunk=self.prefill_chunk,
+                            min_call=self.min_call, verify_rows=rows, capacity=self.capacity)
+
+
+def _setup(profile, manifest, stats, calibration, min_call, capacity=None) -> _Setup:
+    cal = dict(calibration if calibration is not None else (getattr(profile, "calibration", None) or {}))
+    bad = sorted(set(cal) - {"device_class", "memory", "latency", "acceptance", "source", "host"})
+    if bad:
+        raise ValueError(f"unknown calibration section(s) {bad}; known: memory, latency, acceptance")
+    # a profile simulated on the CPU uses CPU kernels, so its memory behaves like the CPU's
+    cls = "cpu" if getattr(profile, "simulated", False) else getattr(profile, "device_class", "cpu")
+    # precedence: stats passed in > the calibration's measured acceptance > priors; "model" means every drafter graph
+    merged = default_stats(manifest)
+    for given in ({k: AcceptanceStats.from_dict(v) for k, v in (cal.get("acceptance") or {}).items()},
+                  {k: stats for k in merged} if isinstance(stats, AcceptanceStats) else dict(stats or {})):
+        if "model" in given:
+            for g in manifest.drafters:
+                given.setdefault(g.name, given["model"])
+        merged.update(given)
+    buckets = tuple(sorted(getattr(profile, "shape_buckets", ()) or ()))
+    chunk = getattr(profile, "prefill_chunk", None) or PREFILL_CHUNK
+    s = _Setup(manifest, Calibration.from_dict(cal.get("memory"), cls),
+               Latency.from_calibration(manifest, cal.get("latency")), merged, buckets, chunk, max(1, min_call),
+               capacity)
+    s.plain_rows = s.bucket(1)
+    return s
+
+
+def _check_profile(profile, manifest) -> None:
+    allowed = getattr(profile, "weight_precisions", None)
+    t = manifest.target
+    if allowed and t.precision not in allowed:
+        raise PlanError(f"device {getattr(profile, 'name', '?')!r} runs {'/'.join(allowed)} weights but "
+                        f"{manifest.name} is exported as {t.precision}; re-export with --precision "
+                        f"{allowed[-1]} or choose another --device")
+
+
+def _enumerate(profile, setup: _Setup, context: int, drafters, tree_drafters, max_k, max_nodes,
+               sampling) -> tuple[Candidate, list[Candidate]]:
+    """(plain decoding, every speculative candidate) with predicted tokens/s and footprint; no budget applied."""
+    m, lat = setup.manifest, setup.latency
+    t_plain = lat.target(setup.plain_rows)
+    plain_spec = Speculation(sampling=sampling)
+    plain = Candidate(plain_spec, TreeShape.chain(0), setup.plain_rows, 0.0, t_plain + lat.overhead_ms,
+                      1000.0 / (t_plain + lat.overhead_ms), context, setup)
+    allowed = getattr(profile, "weight_precisions", None)
+    keys: list[tuple[str, str | None]] = []
+    for d in drafters:
+        if d not in DRAFTERS:
+            raise PlanError(f"drafter {d!r}: choose among {', '.join(DRAFTERS)}")
+        if d == "model":
+            keys += [("model", g.name) for g in m.drafters if not allowed or g.precision in allowed]
+        elif d != "none":
+            keys.append((d, None))
+    if setup.buckets:
+        sizes = [b - 1 for b in setup.buckets if b >= 2]
+    else:
+        sizes = list(range(1, max(max_k, max_nodes) + 1))
+    out = []
+    top = max(sizes, default=0)
+    for drafter, graph in keys:
+        stats = _stats_for(setup.stats, Speculation(drafter, 1, graph))
+        h = stats.draft_rate
+        # E[accepted] of every prefix from one pass: prefixes of a chain / best-first tree are themselves optimal
+        full = {"chain": TreeShape.chain(min(max_k, top))}
+        if drafter in tree_drafters:
+            full["tree"] = stats.best_first(min(max_nodes, top))
+        prefix_acc = {k: np.concatenate([[0.0], np.cumsum(stats.node_probs(v))]) * h for k, v in full.items()}
+        shapes = [("chain", n) for n in sizes if n <= len(full["chain"])]
+        shapes += [("tree", n) for n in sizes if "tree" in full and 2 <= n <= len(full["tree"])]
+        for kind, n in shapes:
+            shape = full[kind].prefix(n)
+            if kind == "tree" and shape.is_chain:
+                continue  # the best tree of this size is the chain itself
+            width = setup.bucket(max(shape.widths)) if drafter == "model" else 1  # drafter calls are padded too
+            spec = Speculation(drafter, n, graph, draft_width=width, sampling=sampling)
+            rows = setup.bucket(n + 1)
+            acc = float(prefix_acc[kind][n])
+            step = lat.draft_ms(spec, shape, setup.bucket) + h * lat.target(rows) + (1 - h) * t_plain \
+                + lat.overhead_ms
+            out.append(Candidate(spec, shape, rows, acc, step, 1000.0 * (1 + acc) / step, context, setup))
+    return plain, out
+
+
+def _rank(spec: Speculation, manifest) -> tuple[int, int]:
+    if spec.drafter == "model":
+        g = _graph(manifest, spec.draft_graph)
+        return _DRAFTER_RANK["model"], g.vocab * g.layers
+    return _DRAFTER_RANK[spec.drafter], 0
+
+
+def _within(c: Candidate, ceiling: Plan, manifest) -> bool:
+    """Is candidate `c` no bigger than the plan it replaces (same drafter: no more nodes, no tree after a chain)?"""
+    rc, rp = _rank(c.speculation, manifest), _rank(ceiling.speculation, manifest)
+    if rc != rp or c.speculation.draft_graph != ceiling.draft_graph:
+        return rc < rp
+    if c.speculation.nodes > ceiling.nodes:
+        return False
+    return c.shape.is_chain or ceiling.tree == "best-first"
+
+
+def _max_context(setup: _Setup, spec: Speculation, rows: int, lo: int, limit: int, budget_bytes: float) -> int:
+    """Largest context in [lo, limit] whose peak fits (peak is monotone in context); lo - 1 if none does."""
+    fits = lambda c: setup.peak(spec, c, rows).total_bytes <= budget_bytes  # noqa: E731
+    if lo > limit or not fits(lo):
+        return lo - 1
+    if fits(limit):
+        return limit
+    good, bad = lo, limit
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        good, bad = (mid, bad) if fits(mid) else (good, mid)
+    return good
+
+
+def _label(s: Speculation) -> str:
+    if s.drafter == "none":
+        return "plain decoding"
+    return s.drafter if s.drafter != "model" else f"model drafter {s.draft_graph}"
+
+
+def _describe(c: Candidate) -> str:
+    s = c.speculation
+    if s.drafter == "none":
+        return _label(s)
+    return f"{_label(s)} {'chain K' if c.shape.is_chain else 'tree N'}={s.nodes}"
+
+
+def _reason(best: Candidate, plain: Candidate, budget: float, context: int, dropped: dict, ceiling, profile) -> str:
+    r = (f"{_describe(best)}: {best.tokens_per_s:.1f} tok/s predicted "
+         f"({best.tokens_per_s / plain.tokens_per_s:.2f}x plain {plain.tokens_per_s:.1f}), "
+         f"E[accepted]={best.expected_accepted:.2f}/step; peak {best.peak_mb:.1f} of {budget:.1f} MB at context "
+         f"{context}")
+    if dropped:  # faster plans that did not fit
+        r += "; over budget: " + ", ".join(f"{k} (from {v:.1f} MB)" for k, v in sorted(dropped.items()))
+    if ceiling is not None and ceiling.drafter != "none":
+        r += f"; re-planned from {ceiling.drafter} N={ceiling.nodes} ({ceiling.tree})"
+    if getattr(profile, "simulated", False):
+        r += f"; {getattr(profile, 'name', 'device')} simulated on the CPU"
+    return r
+
+
+def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | None = None, *,
+         calibration: Mapping | None = None, drafters: Sequence[str] | None = None,
+         tree_drafters: Sequence[str] = TREE_DRAFTERS, max_k: int = MAX_CHAIN, max_nodes: int = MAX_NODES,
+         sampling: bool = False, min_call: int = 1, capacity: int | None = None,
+         ceiling: Plan | None = None) -> Plan:
+    """The plan with the highest predicted tokens/s whose predicted peak at `context_len` fits the budget.
+
+    stats: AcceptanceStats for every drafter, or {drafter key: AcceptanceStats} (keys "lookup", "recycling",
+    "hybrid", a model drafter graph's name or "model"); missing keys use `default_stats`. budget_mb: default the profile's.
+    calibration: {"memory": {...}, "latency": {...}, "acceptance": {...}}, default the profile's.
+    min_call: the runtime pads calls to at least this many rows (GraphSession.min_call).
+    capacity: KV slots the runtime already preallocated per graph (None: buffers sized to the context).
+    ceiling: only plans no bigger than this one (see `replan`)."""
+    budget = budget_mb if budget_mb is not None else getattr(profile, "budget_mb", None)
+    if budget is None or not budget > 0:
+        raise PlanError(f"no memory budget: pass budget_mb (got {budget!r}) or a device profile with one")
+    if context_len < 1:
+        raise PlanError(f"context must be >= 1 token (got {context_len})")
+    t = manifest.target
+    _check_profile(profile, manifest)
+    setup = _setup(profile, manifest, stats, calibration, min_call, capacity)
+    # KV slots a verify call may reach: what the export's rotary tables cover, or what the runtime allocated
+    slots = min(t.max_len or 1 << 30, capacity or 1 << 30)
+    if context_len + setup.plain_rows > slots:
+        raise PlanError(f"context {context_len} does not fit {slots} KV positions ({manifest.name} exported for "
+                        f"{t.max_len}); lower --context, or load with a larger context / re-export with --max-len")
+    drafters = tuple(drafters) if drafters is not None else DEFAULT_DRAFTERS
+    plain, cands = _enumerate(profile, setup, context_len, drafters, tree_drafters, max_k, max_nodes, sampling)
+    cands = [c for c in cands if context_len + c.verify_rows <= slots]
+    budget_bytes = budget * MB
+    if plain.footprint.total_bytes > budget_bytes:
+        fits = _max_context(setup, plain.speculation, plain.verify_rows, 1, context_len - 1, budget_bytes)
+        hint = (f"at this budget plain decoding fits up to context {fits}" if fits >= 1 else
+                "not even a 1-token context fits: the weights alone exceed it") \
+            + f"; raise --budget-mb to at least {math.ceil(plain.peak_mb)} or lower --context"
+        raise BudgetError(plain.peak_mb, budget, context_len, hint)
+    if ceiling is not None:
+        cands = [c for c in cands if _within(c, ceiling, manifest)]
+    # fastest first (ties: fewer nodes, then the cheaper drafter); the first that fits wins
+    cands = [c for c in cands if c.tokens_per_s > plain.tokens_per_s]
+    cands.sort(key=lambda c: (-round(c.tokens_per_s, 9), c.speculation.nodes, _rank(c.speculation, manifest)))
+    best, dropped = plain, {}
+    for c in cands:
+        if c.footprint.total_bytes <= budget_bytes:
+            best = c
+            break
+        key = _label(c.speculation)
+        dropped[key] = min(dropped.get(key, math.inf), c.peak_mb)
+    reason = _reason(best, plain, budget, context_len, dropped, ceiling, profile)
+    spec = best.speculation
+    return Plan(
+        drafter=spec.drafter, k=spec.nodes if best.shape.is_chain else 0, nodes=spec.nodes,
+        tree="none" if spec.drafter == "none" else ("chain" if best.shape.is_chain else "best-first"),
+        max_context=_max_context(setup, spec, best.verify_rows, context_len, slots - best.verify_rows,
+                                 budget_bytes),
+        peak_mb=best.peak_mb, tokens_per_s=best.tokens_per_s, reason=reason, draft_graph=spec.draft_graph,
+        parents=best.shape.parents, ranks=best.shape.ranks, speedup=best.tokens_per_s / plain.tokens_per_s,
+        expected_accepted=best.expected_accepted, context=context_len, budget_mb=float(budget),
+        plain_peak_mb=plain.peak_mb, verify_rows=best.verify_rows, draft_width=spec.draft_width, sampling=sampling)
+
+
+def replan(previous: Plan, profile, manifest, context_len: int, stats=None, budget_mb: float | None = None,
+           **kw) -> Plan:
+    """Re-plan during a chat as the context grows: the best plan no bigger than `previous` — a smaller tree, then
+    a shorter chain, then a cheaper drafter, then plain decoding; BudgetError when even that does not fit."""
+    budget = budget_mb if budget_mb is not None else (previous.budget_mb or None)
+    return plan(profile, manifest, context_len, stats, budget, ceiling=previous, **kw)
+
+
+def candidates(profile, manifest, context_len: int, stats=None, *, calibration: Mapping | None = None,
+               drafters: Sequence[str] | None = None, tree_drafters: Sequence[str] = TREE_DRAFTERS,
+               max_k: int = MAX_CHAIN, max_nodes: int = MAX_NODES, sampling: bool = False,
+               min_call: int = 1, capacity: int | None = None) -> list[Candidate]:
+    """Every plan the planner considers (plain decoding first), with predicted tokens/s and footprint (computed
+    on first access), no budget applied: for sweeps (edge-profile) and the lower bounds."""
+    _check_profile(profile, manifest)
+    setup = _setup(profile, manifest, stats, calibration, min_call, capacity)
+    drafters = tuple(drafters) if drafters is not None else DEFAULT_DRAFTERS
+    plain, cands = _enumerate(profile, setup, context_len, drafters, tree_drafters, max_k, max_nodes, sampling)
+    return [plain] + cands
+
+
+def min_budget_plain(manifest, context: int, profile=None, *, calibration: Mapping | None = None,
+                     min_call: int = 1) -> float:
+    """The smallest budget (MB) that runs plain decoding at `context`."""
+    return candidates(profile, manifest, context, calibration=calibration, drafters=("none",),
+                      min_call=min_call)[0].peak_mb
+
+
+def min_budget_speculative(manifest, context: int, stats=None, profile=None, **kw) -> float | None:
+    """The smallest budget (MB) at which some speculative plan is predicted faster than plain decoding (SpecMemo's
+    lower bound on memory that still retains a speedup); None if no candidate beats plain decoding."""
+    cs = candidates(profile, manifest, context, stats, **kw)
+    plain, rest = cs[0], cs[1:]
+    faster = [c.peak_mb for c in rest if c.tokens_per_s > plain.tokens_per_s * (1 + 1e-9)]
+    return min(faster) if faster else None

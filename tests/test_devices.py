@@ -1,0 +1,167 @@
+"""devices: every shipped profile loads and validates, host detection, missing execution providers (the error and
+--simulate), and the validation messages for hand-written profiles."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import psutil
+import pytest
+
+from devices import (CPU_EP, HOST, DeviceProfile, ProfileError, ProviderUnavailable, available_providers,
+                     check_available, detect_host, list_profiles, load_profile, profile_from_dict)
+
+SHIPPED = [n for n in list_profiles() if n != HOST]
+REQUIRED = {  # the issue's list: name → (device class, execution provider)
+    "laptop-cpu-16gb": ("cpu", "CPUExecutionProvider"),
+    "nvidia-laptop-gpu-8gb": ("gpu", "CUDAExecutionProvider"),
+    "apple-m3-16gb": ("gpu", "CoreMLExecutionProvider"),
+    "snapdragon-x-npu": ("npu", "QNNExecutionProvider"),
+    "intel-core-ultra-npu": ("npu", "OpenVINOExecutionProvider"),
+    "android-phone-8gb": ("cpu", "CPUExecutionProvider"),
+}
+
+
+def test_the_required_profiles_ship():
+    assert list_profiles()[0] == HOST
+    assert set(REQUIRED) <= set(SHIPPED)
+    for name, (cls, ep) in REQUIRED.items():
+        p = load_profile(name)
+        assert (p.device_class, p.execution_provider) == (cls, ep)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_profile_loads_and_validates(name):
+    p = load_profile(name)
+    assert p.name == name and isinstance(p, DeviceProfile)
+    assert 0 < p.budget_mb <= p.memory_total_mb
+    assert p.bandwidth_gbs and p.bandwidth_gbs > 0
+    assert len(p.source) > 40  # names the public spec
+    if p.app_memory_cap_mb:
+        assert p.budget_mb <= p.app_memory_cap_mb
+    if p.device_class == "npu":  # the issue: NPUs run quantized weights, fp16 activations, fixed shapes
+        assert p.static_shapes and "fp32" not in p.weight_precisions and p.activation_dtype == "float16"
+        assert p.prefill_chunk in p.shape_buckets and 1 in p.shape_buckets
+    json.dumps(p.to_dict())
+    assert profile_from_dict(p.to_dict()) == p  # data round trip
+
+
+def test_spec_numbers():
+    """Bandwidths are the arithmetic of the cited specs."""
+    assert load_profile("laptop-cpu-16gb").bandwidth_gbs == 5600e6 * 16 / 1e9  # DDR5-5600, 2 x 64 bit
+    assert load_profile("nvidia-laptop-gpu-8gb").bandwidth_gbs == 16e9 * 128 / 8 / 1e9  # 16 Gbps x 128 bit
+    assert load_profile("android-phone-8gb").bandwidth_gbs == 8400e6 * 8 / 1e9  # LPDDR5x-8400 x 64 bit
+    assert load_profile("nvidia-laptop-gpu-8gb").provider_options["gpu_mem_limit"] == 6144 * 2**20
+
+
+def test_host_detection():
+    h = load_profile(HOST)
+    vm = psutil.virtual_memory()
+    assert h.name == HOST and h.device_class == "cpu" and h.execution_provider == CPU_EP
+    assert h.memory_total_mb == vm.total >> 20
+    assert 0 < h.budget_mb <= (vm.total >> 20)
+    assert h.cores >= 1 and CPU_EP in h.providers_installed
+    assert set(h.weight_precisions) == {"fp32", "fp16", "int8", "int4"} and not h.static_shapes
+    h2 = detect_host(providers=["CPUExecutionProvider", "CUDAExecutionProvider"])
+    assert h2.providers_installed == ("CPUExecutionProvider", "CUDAExecutionProvider")
+    assert check_available(h) is h
+
+
+def test_missing_provider_error_names_it_and_the_simulate_flag():
+    p = load_profile("snapdragon-x-npu")
+    with pytest.raises(ProviderUnavailable) as e:
+        check_available(p, providers=["CPUExecutionProvider"])
+    msg = str(e.value)
+    assert "QNNExecutionProvider" in msg and "--simulate" in msg and "onnxruntime-qnn" in msg
+    assert "snapdragon-x-npu" in msg and "CPUExecutionProvider" in msg
+
+
+@pytest.mark.parametrize("name", ["snapdragon-x-npu", "nvidia-laptop-gpu-8gb", "apple-m3-16gb"])
+def test_simulation_keeps_budgets_and_shapes(name):
+    p = load_profile(name)
+    s = check_available(p, simulate=True, providers=["CPUExecutionProvider"])
+    assert s.execution_provider == CPU_EP and s.simulated and s.simulated_provider == p.execution_provider
+    assert dict(s.provider_options) == {} and s.providers == [CPU_EP]
+    same = ("budget_mb", "memory_total_mb", "shape_buckets", "prefill_chunk", "weight_precisions",
+            "activation_dtype", "app_memory_cap_mb", "device_class", "bandwidth_gbs")
+    assert all(getattr(s, f) == getattr(p, f) for f in same)
+    assert "simulated" in s.notes
+    # with the provider installed nothing changes, simulate or not
+    assert check_available(p, simulate=True, providers=[p.execution_provider, CPU_EP]) is p
+
+
+def test_providers_argument_for_ort():
+    p = load_profile("intel-core-ultra-npu")
+    assert p.providers == [("OpenVINOExecutionProvider", {"device_type": "NPU", "precision": "FP16"}), CPU_EP]
+    assert load_profile("laptop-cpu-16gb").providers == [CPU_EP]
+
+
+def test_unknown_name_lists_the_profiles():
+    with pytest.raises(ProfileError) as e:
+        load_profile("pixel-99")
+    assert "pixel-99" in str(e.value) and "laptop-cpu-16gb" in str(e.value) and HOST in str(e.value)
+
+
+def test_load_from_a_path(tmp_path):
+    d = load_profile("android-phone-8gb").to_dict()
+    d.update(name="my-phone", budget_mb=1024)
+    f = tmp_path / "my-phone.json"
+    f.write_text(json.dumps(d))
+    p = load_profile(str(f))
+    assert p.name == "my-phone" and p.budget_mb == 1024
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ProfileError, match="not valid JSON"):
+        load_profile(str(tmp_path / "broken.json"))
+    with pytest.raises(ProfileError, match="no such"):
+        load_profile(str(tmp_path / "absent.json"))
+
+
+BASE = load_profile("snapdragon-x-npu").to_dict()
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(colour="red"), "unknown field"),
+    (dict(device_class="tpu"), "device_class"),
+    (dict(execution_provider="QNN"), "execution_provider"),
+    (dict(budget_mb=20000), "budget_mb"),
+    (dict(budget_mb=0), "budget_mb"),
+    (dict(weight_precisions=["int3"]), "weight_precisions"),
+    (dict(weight_precisions=[]), "weight_precisions"),
+    (dict(activation_dtype="bfloat16"), "activation_dtype"),
+    (dict(shape_buckets=[8, 4]), "shape_buckets"),
+    (dict(shape_buckets=[0, 4]), "shape_buckets"),
+    (dict(prefill_chunk=100), "prefill_chunk"),
+    (dict(app_memory_cap_mb=100), "app_memory_cap_mb"),
+    (dict(bandwidth_gbs=0), "bandwidth_gbs"),
+    (dict(source="  "), "source"),
+    (dict(cores=0), "cores"),
+])
+def test_validation_names_the_field(change, field):
+    with pytest.raises(ProfileError, match=field):
+        profile_from_dict({**BASE, **change}, "test.json")
+
+
+def test_missing_fields_are_named():
+    d = dict(BASE)
+    del d["budget_mb"], d["source"]
+    with pytest.raises(ProfileError, match=r"missing field\(s\) \['budget_mb', 'source'\]"):
+        profile_from_dict(d, "x.json")
+
+
+def test_profiles_are_hashable_frozen_data():
+    p = load_profile("apple-m3-16gb")
+    with pytest.raises(Exception):
+        p.budget_mb = 1  # frozen
+    assert replace(p, budget_mb=4096).budget_mb == 4096
+    assert hash(p) == hash(load_profile("apple-m3-16gb"))
+
+
+def test_devices_imports_onnxruntime_only_when_asked():
+    code = ("import sys, devices; devices.load_profile('laptop-cpu-16gb'); "
+            "assert 'onnxruntime' not in sys.modules; devices.available_providers(); "
+            "assert 'onnxruntime' in sys.modules")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert CPU_EP in available_providers()

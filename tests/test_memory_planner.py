@@ -1,0 +1,255 @@
+"""memory.planner: the choice against a brute-force sweep written here, budgets, the shrinking order as the context
+grows, the BudgetError message, static shape buckets, lower bounds, and plans on every shipped device profile."""
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from devices import check_available, list_profiles, load_profile
+from memory import (AcceptanceStats, BudgetError, LatencyCurve, Plan, PlanError, Speculation, candidates,
+                    min_budget_plain, min_budget_speculative, plan, predict_peak, replan)
+from memory.footprint import DEFAULT_CALIBRATIONS
+from memory.planner import DEFAULT_T1_MS, Latency
+from test_memory_footprint import smollm2_manifest
+
+M = smollm2_manifest()
+DRAFT = "drafter-l2-v8192"
+TARGET_MS = [[1, 10.0], [2, 10.5], [4, 11.0], [8, 13.0], [16, 16.0], [32, 30.0], [64, 60.0]]
+CAL = {"latency": {"target": TARGET_MS, "drafters": {DRAFT: [[1, 0.8], [4, 1.0], [16, 2.0]]},
+                   "lookup_ms": 0.1, "recycling_ms": 0.2, "overhead_ms": 0.3}}
+ALL = ("none", "lookup", "recycling", "model")  # + "hybrid" where a test says so
+
+
+def stats():
+    return {"lookup": AcceptanceStats(0.6, draft_rate=0.8), "recycling": AcceptanceStats(0.45, rank_decay=0.5),
+            DRAFT: AcceptanceStats([0.9, 0.85, 0.8, 0.75, 0.7])}
+
+
+def interp(table, s):  # the test's own latency model: linear between points, proportional beyond the last
+    xs, ys = zip(*table)
+    return float(np.interp(s, xs, ys)) if s <= xs[-1] else ys[-1] * s / xs[-1]
+
+
+# ------------------------------------------------------------------------------------------- latency
+def test_default_latency_curve():
+    c = LatencyCurve.scaled(DEFAULT_T1_MS)
+    assert c(1) == 9.0 and c(8) == pytest.approx(15.3) and c(16) == pytest.approx(19.8)
+    assert c(4) == pytest.approx(9.0 * (1 + 0.7 * 3 / 7))  # interpolated
+    assert c(32) == pytest.approx(19.8 * 2)  # compute-bound beyond the last point
+    lat = Latency.from_calibration(M)  # no calibration: the manifest's export-time t(1) values
+    assert lat.target(1) == 29.458 and lat.drafters[DRAFT](1) == 0.872
+    with pytest.raises(ValueError, match="unknown latency calibration key"):
+        Latency.from_calibration(M, {"targets": []})
+    with pytest.raises(ValueError, match="distinct S"):
+        LatencyCurve(((0, 1.0),))
+
+
+# ------------------------------------------------------------------------------------------- brute force
+def brute_force_chains(ctx, budget_mb, st):
+    """Every drafter x K in 1..16 as chains, scored with formulas written out here; → (drafter, K, tok/s)."""
+    lat = CAL["latency"]
+    over = lat["overhead_ms"]
+    t1 = interp(TARGET_MS, 1)
+    best = ("none", 0, 1000 / (t1 + over))
+    for drafter, graph in (("lookup", None), ("recycling", None), ("model", DRAFT)):
+        s = st[graph or drafter]
+        a = [s.rate[d, 0] for d in range(16)]
+        h = s.draft_rate
+        for k in range(1, 17):
+            acc = h * sum(np.prod(a[:d]) for d in range(1, k + 1))
+            draft = {"lookup": lat["lookup_ms"], "recycling": lat["recycling_ms"],
+                     "model": k * interp(lat["drafters"][DRAFT], 1)}[drafter]
+            step = draft + h * interp(TARGET_MS, k + 1) + (1 - h) * t1 + over
+            tps = 1000 * (1 + acc) / step
+            peak = predict_peak(M, Speculation(drafter, k, graph), ctx).total_mb
+            if peak <= budget_mb and tps > best[2] + 1e-9:
+                best = (drafter, k, tps)
+    return best
+
+
+@pytest.mark.parametrize("ctx", [256, 2048, 6000])
+@pytest.mark.parametrize("extra_mb", [0.5, 2, 20, 60, 1000])
+def test_plan_matches_brute_force_sweep(ctx, extra_mb):
+    st = stats()
+    budget = min_budget_plain(M, ctx) + extra_mb
+    p = plan(None, M, ctx, st, budget, calibration=CAL, drafters=ALL, tree_drafters=())
+    drafter, k, tps = brute_force_chains(ctx, budget, st)
+    assert (p.drafter, p.k) == (drafter, k)
+    assert p.tokens_per_s == pytest.approx(tps)
+    assert p.peak_mb <= budget
+    assert p.peak_mb == pytest.approx(predict_peak(M, p, ctx).total_mb)  # the plan is its own footprint spec
+
+
+def test_plan_with_trees_matches_brute_force_over_node_budgets():
+    st = stats()
+    ctx, budget = 1024, 2000.0
+    p = plan(None, M, ctx, st, budget, calibration=CAL, drafters=("none", "recycling"), max_k=8, max_nodes=8)
+    s, lat = st["recycling"], CAL["latency"]
+    best = (0.0, None)
+    for n in range(1, 9):
+        for shape in {s.best_first(n), s.best_first(n).__class__.chain(n)}:  # best-first trees are optimal
+            tps = 1000 * (1 + s.expected_accepted(shape)) / (lat["recycling_ms"] + interp(TARGET_MS, n + 1) + 0.3)
+            best = max(best, (tps, shape), key=lambda x: x[0])
+    assert p.tokens_per_s == pytest.approx(best[0])
+    assert p.parents == best[1].parents and p.tree == ("chain" if best[1].is_chain else "best-first")
+    assert p.expected_accepted == pytest.approx(s.expected_accepted(best[1]))
+
+
+# ------------------------------------------------------------------------------------------- budget
+def test_over_budget_candidates_are_dropped_and_named():
+    st = stats()
+    ctx = 1024
+    free = plan(None, M, ctx, st, 4000, calibration=CAL, drafters=ALL, tree_drafters=())
+    assert free.drafter == "model"  # the best drafter when memory is no object
+    tight = plan(None, M, ctx, st, free.plain_peak_mb + 5, calibration=CAL, drafters=ALL, tree_drafters=())
+    assert tight.drafter in ("lookup", "recycling") and tight.peak_mb <= free.plain_peak_mb + 5
+    assert "over budget: " in tight.reason and "model drafter" in tight.reason
+
+
+def test_budget_error_states_required_and_available():
+    need = min_budget_plain(M, 4096)
+    with pytest.raises(BudgetError) as e:
+        plan(None, M, 4096, budget_mb=300)
+    msg = str(e.value)
+    assert f"{need:.1f} MB" in msg and "300.0 MB" in msg and "--budget-mb" in msg
+    assert e.value.required_mb == pytest.approx(need) and e.value.available_mb == 300
+    fits = int(msg.split("fits up to context ")[1].split(";")[0])
+    assert min_budget_plain(M, fits) <= 300 < min_budget_plain(M, fits + 1)
+    with pytest.raises(BudgetError, match="weights alone"):
+        plan(None, M, 4096, budget_mb=100)
+
+
+def test_max_context_is_the_last_context_that_fits():
+    p = plan(None, M, 1000, stats(), 420, calibration=CAL, drafters=ALL)
+    spec = p.speculation
+    assert predict_peak(M, spec, p.max_context).total_mb <= 420 < predict_peak(M, spec, p.max_context + 1).total_mb
+    p = plan(None, M, 1000, stats(), 5000, calibration=CAL)
+    assert p.max_context == M.target.max_len - p.verify_rows  # the KV buffer the export's rotary tables cover
+    near = plan(None, M, M.target.max_len - 3, stats(), 5000, calibration=CAL, drafters=ALL)
+    assert near.max_context + near.verify_rows <= M.target.max_len and near.nodes <= 2
+
+
+def test_replanning_shrinks_tree_then_k_then_drafter_then_plain():
+    """As the context grows under a fixed budget, each re-plan is no bigger than the last: same drafter with no
+    more nodes (never a tree after a chain), or a cheaper drafter; finally plain decoding, then BudgetError."""
+    cal = {"latency": {"target": [[1, 10.0], [16, 11.0], [64, 13.0]], "drafters": {DRAFT: [[1, 0.05], [64, 0.2]]},
+                       "lookup_ms": 0.1, "recycling_ms": 0.2}}
+    st = {"lookup": AcceptanceStats(0.5, draft_rate=0.7), "recycling": AcceptanceStats(0.55, rank_decay=0.6),
+          "hybrid": AcceptanceStats(0.6, rank_decay=0.6), DRAFT: AcceptanceStats(0.9)}
+    kw = dict(calibration=cal, drafters=ALL + ("hybrid",), tree_drafters=("recycling", "hybrid", "model"))
+    budget = 560.0
+    rank = {"none": 0, "lookup": 1, "recycling": 2, "hybrid": 3, "model": 4}
+    p = plan(None, M, 256, st, budget, **kw)
+    seq = [p]
+    with pytest.raises(BudgetError):
+        for ctx in range(256, 8192, 16):
+            p = replan(p, None, M, ctx, st, budget, **kw)
+            assert p.peak_mb <= budget and p.context == ctx
+            seq.append(p)
+    for a, b in zip(seq, seq[1:]):
+        if b.drafter != a.drafter:
+            assert rank[b.drafter] < rank[a.drafter], (a.reason, b.reason)
+        else:
+            assert b.nodes <= a.nodes and not (a.tree == "chain" and b.tree == "best-first"), (a.reason, b.reason)
+    stages = [(p.drafter, p.tree) for p in seq]
+    kinds = list(dict.fromkeys(stages))
+    assert kinds[0] == ("model", "best-first") and kinds[-1] == ("none", "none")
+    assert ("model", "chain") in kinds  # the tree gave way to a chain before the drafter changed
+    assert ("hybrid", "best-first") in kinds  # cheaper drafters on the way down
+    sizes = [p.nodes for p in seq if p.drafter == "hybrid"]
+    assert len(set(sizes)) > 5 and sizes == sorted(sizes, reverse=True)  # the tree shrank step by step
+    assert "re-planned from" in seq[-1].reason
+
+
+def test_preallocated_capacity():
+    """An engine that preallocated 4096 slots: KV memory is fixed, and no plan may outgrow the buffer."""
+    p = plan(None, M, 1000, stats(), 5000, calibration=CAL, drafters=ALL, capacity=4096)
+    assert p.max_context == 4096 - p.verify_rows
+    assert p.peak_mb == pytest.approx(predict_peak(M, p, 1000, capacity=4096).total_mb)
+    assert p.peak_mb > plan(None, M, 1000, stats(), 5000, calibration=CAL, drafters=ALL).peak_mb
+
+
+def test_plain_plan_fields():
+    p = plan(None, M, 512, budget_mb=2000, drafters=("none",))
+    assert (p.drafter, p.k, p.nodes, p.tree, p.speedup) == ("none", 0, 0, "none", 1.0)
+    assert p.peak_mb == p.plain_peak_mb and p.extra_mb == 0 and p.verify_rows == 1
+    json.dumps(p.to_dict())
+
+
+# ------------------------------------------------------------------------------------------- static shapes
+NPU = SimpleNamespace(name="test-npu", budget_mb=4000, device_class="npu", simulated=True, shape_buckets=(1, 4, 8, 16),
+                      prefill_chunk=16, weight_precisions=("int8", "int4"), calibration={})
+
+
+@pytest.mark.parametrize("extra_mb", [0.1, 1, 3, 10, 1000])
+@pytest.mark.parametrize("trees", [(), ("recycling",)])
+def test_static_buckets_are_respected(extra_mb, trees):
+    budget = min_budget_plain(M, 2048, NPU) + extra_mb
+    p = plan(NPU, M, 2048, stats(), budget, calibration=CAL, drafters=ALL, tree_drafters=trees)
+    assert p.verify_rows in NPU.shape_buckets and p.nodes + 1 == p.verify_rows
+    cs = candidates(NPU, M, 2048, stats(), calibration=CAL, drafters=ALL, tree_drafters=trees)
+    assert {c.verify_rows for c in cs} <= set(NPU.shape_buckets)
+    assert {c.speculation.nodes for c in cs[1:]} == {3, 7, 15}
+
+
+def test_plain_decoding_pads_to_the_smallest_bucket():
+    prof = SimpleNamespace(**{**vars(NPU), "shape_buckets": (4, 8, 16)})
+    p = plan(prof, M, 256, budget_mb=2000, drafters=("none",), calibration=CAL)
+    assert p.verify_rows == 4
+    assert p.tokens_per_s == pytest.approx(1000 / (11.0 + 0.3))
+    assert predict_peak(M, Speculation(), 256, verify_rows=4, prefill_chunk=16).total_mb == pytest.approx(p.peak_mb)
+
+
+def test_precision_and_context_limits():
+    with pytest.raises(PlanError, match="exported as fp32"):
+        plan(NPU, smollm2_manifest(precision="fp32"), 256, budget_mb=4000)
+    with pytest.raises(PlanError, match="does not fit 8192 KV positions"):
+        plan(None, M, 8192, budget_mb=4000)
+    with pytest.raises(PlanError, match="does not fit 1024 KV positions"):
+        plan(None, M, 1024, budget_mb=4000, capacity=1024)
+    assert plan(None, M, 8191, budget_mb=4000).drafter == "none"  # the one free slot fits only plain decoding
+    with pytest.raises(PlanError, match="no memory budget"):
+        plan(None, M, 256)
+    with pytest.raises(PlanError, match="drafter"):
+        plan(None, M, 256, budget_mb=4000, drafters=("medusa",))
+
+
+# ------------------------------------------------------------------------------------------- lower bounds
+def test_lower_bounds():
+    ctx, st = 2048, stats()
+    plain = min_budget_plain(M, ctx)
+    assert plain == pytest.approx(predict_peak(M, Speculation(), ctx).total_mb)
+    spec = min_budget_speculative(M, ctx, st, calibration=CAL, drafters=ALL)
+    assert plain < spec < plain + 5  # a K=1 chain costs little more than plain decoding
+    assert plan(None, M, ctx, st, spec, calibration=CAL, drafters=ALL).speedup > 1
+    below = plan(None, M, ctx, st, spec - 1e-3, calibration=CAL, drafters=ALL)
+    assert below.drafter == "none" and below.speedup == 1.0
+    hopeless = {k: AcceptanceStats(0.0, draft_rate=0.0) for k in ("lookup", "recycling", "hybrid", DRAFT)}
+    assert min_budget_speculative(M, ctx, hopeless, calibration=CAL, drafters=ALL) is None
+
+
+def test_default_priors_never_pick_a_drafter_that_rarely_agrees():
+    """The embedded export's drafter agrees 2.6% of the time (manifest): it must not be chosen by default."""
+    p = plan(None, M, 1024, budget_mb=4000)
+    assert p.drafter != "model"
+
+
+# ------------------------------------------------------------------------------------------- shipped devices
+@pytest.mark.parametrize("name", list_profiles())
+def test_every_shipped_profile_plans_within_its_budget(name):
+    prof = check_available(load_profile(name), simulate=True)
+    ctx = 2048
+    p = plan(prof, M, ctx, stats(), calibration=CAL, drafters=ALL)
+    assert p.peak_mb <= prof.budget_mb and p.budget_mb == prof.budget_mb
+    if prof.shape_buckets:
+        assert p.verify_rows in prof.shape_buckets
+    # simulated profiles are CPU-backed, so their memory is modelled with the CPU calibration
+    assert prof.simulated or prof.device_class == "cpu"  # no GPU/NPU provider on the test machines
+    cpu = predict_peak(M, p, ctx, DEFAULT_CALIBRATIONS["cpu"], prefill_chunk=prof.prefill_chunk,
+                       verify_rows=p.verify_rows)
+    assert cpu.total_mb == pytest.approx(p.peak_mb)
+    assert math.isfinite(p.tokens_per_s) and isinstance(p, Plan)
