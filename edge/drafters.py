@@ -316,7 +316,7 @@ class HybridDrafter:
         self.recycling.observe(tokens, top_ids)
 
     def draft(self, budget: int) -> Draft:
-        chain = self.lookup.draft(self.lookup_len)
+        chain = self.lookup.draft(min(self.lookup_len, budget))
         if len(chain) and self.recycling.chains_only:
             return chain  # the target verifies chains only: the retrieved span wins when there is one
         tree = self.recycling.draft(budget)

@@ -19,6 +19,9 @@ from kernels.sampling import process_logits, sample_from
 from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
+from memory.acceptance import AcceptanceStats
+from memory.planner import DEFAULT_PRIORS, DEFAULT_VERIFY_SHAPE, LatencyCurve, best_chain_length
+
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .manifest import ModelDirError, load_manifest
 from .runner import GraphSession
@@ -150,6 +153,32 @@ class Engine:
         self._id_map = None
         self._lock = threading.Lock()
         self.default_drafter = self._resolve(drafter)
+        # adaptive draft length: online acceptance per drafter and measured call latency per call width
+        self.acceptance: dict[str, AcceptanceStats] = {}
+        self._call_ms: dict[int, float] = {}
+        self._draft_ms = 0.0  # model drafter: ms per drafted token (EMA)
+
+    def _verify_ms(self, s: int) -> float:
+        if s in self._call_ms:
+            return self._call_ms[s]
+        t1 = self._call_ms.get(self.target.min_call) or self.manifest.target.stats.get("latency_ms_s1") or 9.0
+        return LatencyCurve.scaled(t1, DEFAULT_VERIFY_SHAPE)(s)
+
+    def _stats(self, kind: str) -> AcceptanceStats:
+        st = self.acceptance.get(kind)
+        if st is None:
+            prior = DEFAULT_PRIORS.get(kind, (0.3, 1.0))[0]
+            if kind == "model":
+                prior = max((g.stats.get("top1_agreement", 0.3) for g in self.manifest.drafters), default=0.3)
+            st = self.acceptance[kind] = AcceptanceStats(prior)
+        return st
+
+    def _choose_k(self, kind: str, k_max: int) -> int:
+        """SpecDec-style adaptive length: the K with the best expected tokens per ms (memory.planner)."""
+        if kind == "none" or k_max <= 0:
+            return 0
+        cost = self._draft_ms if kind == "model" else 0.0
+        return best_chain_length(self._stats(kind), self._verify_ms, cost, k_max, self.target.min_call)
 
     # ------------------------------------------------------------------ drafters
     def _resolve(self, kind: str) -> str:
@@ -186,12 +215,12 @@ class Engine:
         if kind == "none":
             return NoDrafter(), 0
         if kind == "lookup":
-            return self.lookup, p.draft_len if p.draft_len is not None else 8
+            return self.lookup, p.draft_len if p.draft_len is not None else 16
         if kind == "recycling":
             return self.recycling, p.draft_len if p.draft_len is not None else 8
         if kind == "hybrid":
-            return HybridDrafter(self.lookup, self.recycling), p.draft_len if p.draft_len is not None else 8
-        return self._model_drafter(p, rng), p.draft_len if p.draft_len is not None else 4
+            return HybridDrafter(self.lookup, self.recycling), p.draft_len if p.draft_len is not None else 16
+        return self._model_drafter(p, rng), p.draft_len if p.draft_len is not None else 6
 
     # ------------------------------------------------------------------ encoding
     def encode(self, prompt_or_messages, raw: bool = False) -> list[int]:
@@ -284,6 +313,8 @@ class Engine:
         kind = p.drafter or self.default_drafter
         kind = self._resolve(kind) if kind == "auto" else kind
         drafter, k = self._drafter(kind, p, rng)
+        # chains get an adaptive length; tree drafters (exact trees only) fill their node budget
+        d_chain = kind in ("lookup", "model") or not self.target.tree_exact
         st.drafter = kind
         dec = StreamDecoder(self.codec)
         text, sent, out = "", 0, []
@@ -325,13 +356,22 @@ class Engine:
                 sent = max(sent, safe)
 
                 # ---- one speculative step: draft, verify in one target call, commit, update the drafter
-                budget = min(k, p.max_tokens - len(out) - 1, self.target.cache.room() - 2)
+                k_step = k if p.draft_len is not None or not d_chain else self._choose_k(kind, k)
+                budget = min(k_step, p.max_tokens - len(out) - 1, self.target.cache.room() - 2)
                 ts = time.perf_counter()
                 d = drafter.draft(budget) if budget > 0 else Draft.empty()
                 st.draft_s += time.perf_counter() - ts
+                if kind == "model" and len(d):
+                    self._draft_ms = 0.8 * self._draft_ms + 200 * (time.perf_counter() - ts) / len(d)
                 ts = time.perf_counter()
                 committed, path, nxt = self._verify(root, d, p, rng)
-                st.target_s += time.perf_counter() - ts
+                dt = time.perf_counter() - ts
+                st.target_s += dt
+                width = max(len(d) + 1, self.target.min_call)
+                self._call_ms[width] = 1000 * dt if width not in self._call_ms else \
+                    0.8 * self._call_ms[width] + 200 * dt
+                if d_chain and len(d):
+                    self._stats(kind).update(len(d), len(committed) - 1)
                 self._commit(committed, path)
                 st.steps += 1
                 st.drafted += len(d)

@@ -469,3 +469,16 @@ def min_budget_speculative(manifest, context: int, stats=None, profile=None, **k
     plain, rest = cs[0], cs[1:]
     faster = [c.peak_mb for c in rest if c.tokens_per_s > plain.tokens_per_s * (1 + 1e-9)]
     return min(faster) if faster else None
+
+
+def best_chain_length(stats: AcceptanceStats, verify_ms, draft_ms_per_token: float = 0.0, max_k: int = MAX_CHAIN,
+                      min_call: int = 1) -> int:
+    """The per-step choice: the chain length K (0 = do not draft) maximizing expected tokens per millisecond,
+    (1 + E[accepted | K]) / (K · t_draft + t_verify(max(K + 1, min_call))), with E from the online acceptance
+    statistics and t_verify a latency curve (callable S → ms)."""
+    best_k, best = 0, 1.0 / verify_ms(max(1, min_call))
+    for k in range(1, max_k + 1):
+        rate = (1.0 + stats.expected_accepted(k)) / (k * draft_ms_per_token + verify_ms(max(k + 1, min_call)))
+        if rate > best:
+            best_k, best = k, rate
+    return best_k
