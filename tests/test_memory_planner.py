@@ -253,3 +253,21 @@ def test_every_shipped_profile_plans_within_its_budget(name):
                        verify_rows=p.verify_rows)
     assert cpu.total_mb == pytest.approx(p.peak_mb)
     assert math.isfinite(p.tokens_per_s) and isinstance(p, Plan)
+
+
+def test_best_chain_length_against_brute_force():
+    from memory.acceptance import AcceptanceStats
+    from memory.planner import LatencyCurve, best_chain_length
+
+    curve = LatencyCurve(((1, 9.0), (8, 15.3), (16, 19.8)))
+    for a in (0.0, 0.2, 0.5, 0.8, 0.95):
+        st = AcceptanceStats(a)
+        for draft_ms in (0.0, 1.0, 5.0):
+            for min_call in (1, 2):
+                got = best_chain_length(st, curve, draft_ms, 12, min_call)
+                rates = [1.0 / curve(max(1, min_call))] + [
+                    (1 + sum(a ** d for d in range(1, k + 1))) / (k * draft_ms + curve(max(k + 1, min_call)))
+                    for k in range(1, 13)]
+                assert got == int(np.argmax(rates)), (a, draft_ms, min_call)
+    assert best_chain_length(AcceptanceStats(0.0), curve, 0.0, 12, 1) == 0  # nothing accepted: do not draft
+    assert best_chain_length(AcceptanceStats(0.97), curve, 0.0, 12, 1) >= 8  # near-certain: long chains
