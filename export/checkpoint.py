@@ -74,9 +74,19 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": "bf16", "F64": np.fl
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """Read a .safetensors file into fp32 numpy arrays (memory-mapped; BF16 widened by a bit shift)."""
+    size = os.path.getsize(path)
+    broken = f"{path}: truncated or not a safetensors file; re-save or re-copy the checkpoint"
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(broken)
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise CheckpointError(broken)
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise CheckpointError(f"{broken} ({e})") from e
     base = 8 + n
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
@@ -87,6 +97,9 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         if dt is None:
             raise CheckpointError(f"{path}: tensor {name} has dtype {meta['dtype']}; supported: {sorted(_ST_DTYPES)}")
         a, b = meta["data_offsets"]
+        itemsize = 2 if dt == "bf16" else np.dtype(dt).itemsize
+        if base + b > size or b - a != int(np.prod(meta["shape"], dtype=np.int64)) * itemsize:
+            raise CheckpointError(f"{broken} (tensor {name} does not fit)")
         buf = raw[base + a : base + b]
         if dt == "bf16":
             arr = (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
@@ -94,6 +107,9 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             arr = buf.view(dt).astype(np.float32)
         out[name] = arr.reshape(meta["shape"])
     return out
+
+
+_HF_REQUIRED = ("num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
 
 
 def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
@@ -107,6 +123,9 @@ def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
         )
     if cfg.get("rope_scaling") not in (None, {}) and (cfg["rope_scaling"] or {}).get("rope_type", "default") != "default":
         raise CheckpointError(f"{where}: rope_scaling {cfg['rope_scaling']} is not supported yet")
+    missing = [k for k in _HF_REQUIRED if k not in cfg]
+    if missing:
+        raise CheckpointError(f"{where}: no {', '.join(missing)}; not a complete {arch} config")
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     eos = cfg.get("eos_token_id")
@@ -135,7 +154,11 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: no config.json; expected a Hugging Face checkpoint directory or a .gguf file")
-    config = _config_from_hf(json.loads(cfg_file.read_text()), str(cfg_file))
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+    config = _config_from_hf(cfg, str(cfg_file))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weights (pytorch .bin files: re-save with safe_serialization=True)")
@@ -175,6 +198,10 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, out // n_head // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
+_GGUF_REQUIRED = ("attention.head_count", "embedding_length", "block_count", "feed_forward_length",
+                  "attention.layer_norm_rms_epsilon")
+
+
 def gguf_fields(path: str | os.PathLike) -> dict:
     import gguf
 
@@ -208,6 +235,9 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     if arch not in ("llama", "qwen2"):
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} not supported; supported: llama, qwen2")
     p = arch + "."
+    missing = [p + k for k in _GGUF_REQUIRED if p + k not in f]
+    if missing:
+        raise CheckpointError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
     heads = int(f[p + "attention.head_count"])
     kv_heads = int(f.get(p + "attention.head_count_kv", heads))
     hidden = int(f[p + "embedding_length"])
@@ -235,7 +265,8 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
         else:
             continue
         weights[hf] = np.ascontiguousarray(arr)
-    vocab = int(f.get(p + "vocab_size", weights["model.embed_tokens.weight"].shape[0]))
+    emb = weights.get("model.embed_tokens.weight")
+    vocab = int(f.get(p + "vocab_size", emb.shape[0] if emb is not None else 0))
     eos = f.get("tokenizer.ggml.eos_token_id")
     config = ArchConfig(
         family="llama" if arch == "llama" else "qwen2",

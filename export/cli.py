@@ -40,6 +40,13 @@ def export_default(progress: bool = True, force: bool = False, opts: ExportOptio
     return export_model(src, out, opts, progress=progress)
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} is not a positive number of layers")
+    return n
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="edge-export",
@@ -58,13 +65,14 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--force", action="store_true", help="with --default: rebuild even if the cache is up to date")
     ap.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
                     help=f"weight precision (default {DEFAULT_PRECISION}: fastest measured on CPU, see README)")
-    ap.add_argument("--block-size", type=int, default=32, help="int4/int8 quantization block size (default 32)")
+    ap.add_argument("--block-size", type=int, default=32, choices=[16, 32, 64, 128, 256],
+                    help="int4/int8 quantization block size (MatMulNBits supports 16-256; default 32)")
     ap.add_argument("--accuracy-level", type=int, default=4, choices=[0, 1, 2, 3, 4],
                     help="MatMulNBits activation precision: 4 = int8 activations (fast), 0 = fp32 (default 4)")
     ap.add_argument("--lm-head-bits", type=int, choices=[0, 4, 8], default=None,
                     help="LM head precision for int4/int8 (0 = float; default 8)")
     ap.add_argument("--max-len", type=int, default=8192, help="context capacity the graphs support (default 8192)")
-    ap.add_argument("--drafter-layers", type=int, nargs="*", default=[DEFAULT_DRAFTER[0]],
+    ap.add_argument("--drafter-layers", type=_positive, nargs="*", default=[DEFAULT_DRAFTER[0]],
                     help=f"early-exit drafter depth(s) in layers (default {DEFAULT_DRAFTER[0]}; none: no drafter)")
     ap.add_argument("--drafter-vocab", type=int, nargs="*", default=[DEFAULT_DRAFTER[1]],
                     help=f"trimmed drafter vocabulary size(s) (default {DEFAULT_DRAFTER[1]}; 0 = full)")

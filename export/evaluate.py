@@ -84,5 +84,5 @@ def rank_vocabulary(token_lists: list[list[int]], vocab: int, always: tuple[int,
     for toks in token_lists:
         np.add.at(counts, np.asarray(toks, np.int64), 1)
     order = np.lexsort((np.arange(vocab), -counts))
-    head = [t for t in always if 0 <= t < vocab]
+    head = list(dict.fromkeys(t for t in always if 0 <= t < vocab))  # bos may equal eos
     return np.concatenate([np.asarray(head, np.int64), order[~np.isin(order, head)]])

@@ -113,7 +113,7 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
     `adapter` [hidden, hidden] (drafters only): a correction fitted at export time, applied to the last layer's
     residual stream before the final norm (h ← h @ adapter), so an early exit looks more like the full model."""
     c = ck.config
-    n_layers = opts.layers or c.layers
+    n_layers = c.layers if opts.layers is None else opts.layers
     if not 1 <= n_layers <= c.layers:
         raise ValueError(f"layers={n_layers}: the model has {c.layers}")
     ft = TensorProto.FLOAT16 if opts.precision == "fp16" else TensorProto.FLOAT
@@ -197,13 +197,14 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
         logits = g.node("Cast", [logits], name="logits_cast", to=TensorProto.FLOAT)[0]
     g.node("Identity", [logits], name="logits_out", outputs=["logits"])
     outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "R", head.shape[0]]))
-    if opts.topk:
+    topk = min(opts.topk, head.shape[0])
+    if topk:
         # greedy verification needs only the argmax and Token Recycling the top-k: returning k ids per row
         # instead of [R, V] floats saves the numpy pass over the vocabulary (ties: lower id first, as argmax)
-        g.node("TopK", [logits, g.init("topk_k", np.array([opts.topk], np.int64))], name="topk",
+        g.node("TopK", [logits, g.init("topk_k", np.array([topk], np.int64))], name="topk",
                outputs=["top_logits", "top_ids"], axis=-1, largest=1, sorted=1)
-        outputs[1:1] = [helper.make_tensor_value_info("top_ids", TensorProto.INT64, [1, "R", opts.topk]),
-                        helper.make_tensor_value_info("top_logits", TensorProto.FLOAT, [1, "R", opts.topk])]
+        outputs[1:1] = [helper.make_tensor_value_info("top_ids", TensorProto.INT64, [1, "R", topk]),
+                        helper.make_tensor_value_info("top_logits", TensorProto.FLOAT, [1, "R", topk])]
 
     graph = helper.make_graph(g.nodes, "edgespec_decoder", inputs, outputs, initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],

@@ -190,11 +190,6 @@ def shared_kv():
 
 
 @pytest.fixture
-def causal_bias():
-    return causal
-
-
-@pytest.fixture
 def run_export_cli():
     """`python -m export.cli ARGS` in a subprocess from the repository root → CompletedProcess."""
     import subprocess

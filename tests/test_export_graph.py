@@ -31,11 +31,13 @@ def io_table(model: onnx.ModelProto) -> tuple[dict, dict]:
             {v.name: (v.type.tensor_type.elem_type, dims(v)) for v in model.graph.output})
 
 
-def expected_io(layers: int, vocab: int, kv_type=TensorProto.FLOAT) -> tuple[dict, dict]:
+def expected_io(layers: int, vocab: int, kv_type=TensorProto.FLOAT, topk: int = GraphOptions().topk):
     F, I = TensorProto.FLOAT, TensorProto.INT64
     ins = {"input_ids": (I, (1, "S")), "position_ids": (I, (1, "S")), "attention_bias": (F, (1, 1, "S", "T")),
            "logits_keep": (I, (1,))}
     outs = {"logits": (F, (1, "R", vocab))}
+    if topk:  # on-graph TopK for greedy verification
+        outs.update({"top_ids": (I, (1, "R", topk)), "top_logits": (F, (1, "R", topk))})
     for i in range(layers):
         for kind in ("key", "value"):
             ins[f"past_key_values.{i}.{kind}"] = (kv_type, (1, 2, "max_len", 16))
@@ -112,6 +114,32 @@ def test_quantized_graph_io(tiny_llama, precision, kv_type):
         assert bits.pop("lm_head") == 8 and set(bits.values()) == {int(precision[3:])}
 
 
+def test_without_topk(tiny_llama):
+    assert io_table(build_graph(tiny_llama, GraphOptions(precision="fp32", max_len=64, topk=0))) == \
+        expected_io(3, VOCAB, topk=0)
+
+
+def test_topk_outputs_match_logits(exported_llama, tiny_llama):
+    """top_ids are the k largest logits in descending order (ties: lower id first), top_logits their values."""
+    import onnxruntime as ort
+
+    d, m = exported_llama
+    s = ort.InferenceSession(str(d / m.target.file), providers=["CPUExecutionProvider"])
+    c = tiny_llama.config
+    ids = np.random.default_rng(4).integers(0, VOCAB, 19)
+    feeds = {"input_ids": ids[None], "position_ids": np.arange(19)[None], "attention_bias": causal(19, 0),
+             "logits_keep": np.array([0], np.int64)}
+    for i in range(c.layers):
+        for kind in ("key", "value"):
+            feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, c.kv_heads, 0, c.head_dim), np.float32)
+    logits, top_ids, top_logits = (a[0] for a in s.run(["logits", "top_ids", "top_logits"], feeds))
+    k = top_ids.shape[-1]
+    want = np.argsort(-logits, axis=-1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(top_ids, want)
+    np.testing.assert_array_equal(top_logits, np.take_along_axis(logits, want, -1))
+    np.testing.assert_array_equal(top_ids[:, 0], reference.forward(tiny_llama, ids).argmax(-1))
+
+
 def test_layers_out_of_range(tiny_llama):
     with pytest.raises(ValueError, match="layers"):
         build_graph(tiny_llama, GraphOptions(precision="fp32", layers=4))
@@ -119,7 +147,6 @@ def test_layers_out_of_range(tiny_llama):
         GraphOptions(precision="int3")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: build_graph reads layers=0 as 'all layers' (`opts.layers or c.layers`)")
 def test_zero_layers_is_refused(tiny_llama):
     # `--drafter-layers 0` would otherwise write a full-depth graph whose manifest entry says layers=0
     with pytest.raises(ValueError, match="layers"):

@@ -111,8 +111,8 @@ def test_symmetric_round_trip_bound(n, k, block, bits, seed, amp):
     blocks = np.pad(w, ((0, 0), (0, nb * block - k))).reshape(n, nb, block)
     idx = np.abs(blocks).argmax(-1)
     flat = np.pad(back, ((0, 0), (0, nb * block - k))).reshape(n, nb, block)
-    np.testing.assert_allclose(np.take_along_axis(flat, idx[..., None], -1), np.take_along_axis(blocks, idx[..., None], -1),
-                               rtol=1e-6)
+    extreme = idx[..., None]
+    np.testing.assert_allclose(np.take_along_axis(flat, extreme, -1), np.take_along_axis(blocks, extreme, -1), rtol=1e-6)
 
 
 @PROPERTY

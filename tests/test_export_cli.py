@@ -1,0 +1,188 @@
+"""`python -m export.cli` on bad inputs: exit code 2, one line `edge-export: error: ...` on stderr naming the
+problem, no traceback, and nothing left in the output location."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import tiny_export_options
+from export import calibration
+from export.pipeline import export_model
+
+
+PROGRESS = re.compile(r"\d+/\d+ \[")  # tqdm's bar ("loading checkpoint:   0%|   | 0/8 [00:00<?, ?step/s]")
+
+
+def expect_one_line_error(r, *needles: str) -> str:
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip() and not PROGRESS.search(ln)]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("edge-export: error: "), lines[0]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert r.stdout == ""
+    return lines[0]
+
+
+def copy_without(src, dst, *names):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*names))
+    return dst
+
+
+def edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def write_gguf(path, arch: str):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_wrong_path(run_export_cli, tmp_path):
+    out = tmp_path / "out"
+    expect_one_line_error(run_export_cli(tmp_path / "does-not-exist", "-o", out), "does-not-exist",
+                          "no such file or directory")
+    assert not out.exists()
+
+
+def test_file_that_is_not_gguf(run_export_cli, tmp_path):
+    junk = tmp_path / "model.gguf"
+    junk.write_bytes(b"certainly not a GGUF header" * 10)
+    expect_one_line_error(run_export_cli(junk, "-o", tmp_path / "out"), "model.gguf", "not a readable GGUF")
+    txt = tmp_path / "weights.bin"
+    txt.write_bytes(b"\0" * 64)
+    expect_one_line_error(run_export_cli(txt, "-o", tmp_path / "out"), "weights.bin", ".gguf")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_unsupported_architecture_lists_supported(run_export_cli, tiny_llama_dir, tmp_path):
+    d = copy_without(tiny_llama_dir, tmp_path / "gpt2")
+    edit_config(d, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    line = expect_one_line_error(run_export_cli(d, "-o", tmp_path / "out"), "GPT2LMHeadModel")
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"):
+        assert arch in line
+
+
+def test_unsupported_gguf_architecture(run_export_cli, tmp_path):
+    p = tmp_path / "tiny-gpt2.gguf"
+    write_gguf(p, "gpt2")
+    expect_one_line_error(run_export_cli(p, "-o", tmp_path / "out"), "'gpt2'", "llama", "qwen2")
+
+
+def test_missing_tokenizer(run_export_cli, tiny_llama_dir, tmp_path):
+    d = copy_without(tiny_llama_dir, tmp_path / "notok", "tokenizer.json")
+    out = tmp_path / "out"
+    expect_one_line_error(run_export_cli(d, "-o", out), "tokenizer.json")
+    assert not out.exists() and not out.with_name("out.partial").exists()
+
+
+def test_missing_weights(run_export_cli, tiny_llama_dir, tmp_path):
+    d = copy_without(tiny_llama_dir, tmp_path / "noweights", "*.safetensors")
+    expect_one_line_error(run_export_cli(d, "-o", tmp_path / "out"), "safetensors")
+
+
+def test_incomplete_weights(run_export_cli, tiny_llama_dir, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    d = copy_without(tiny_llama_dir, tmp_path / "partial", "*.safetensors")
+    w = load_file(str(tiny_llama_dir / "model.safetensors"))
+    del w["model.layers.1.mlp.down_proj.weight"]
+    save_file(w, str(d / "model.safetensors"))
+    expect_one_line_error(run_export_cli(d, "-o", tmp_path / "out"), "weights missing", "down_proj")
+
+
+def test_untied_config_without_lm_head(run_export_cli, tiny_llama_dir, tmp_path):
+    d = copy_without(tiny_llama_dir, tmp_path / "nohead")
+    edit_config(d, tie_word_embeddings=False)
+    expect_one_line_error(run_export_cli(d, "-o", tmp_path / "out"), "lm_head")
+
+
+def test_no_config(run_export_cli, tiny_llama_dir, tmp_path):
+    d = copy_without(tiny_llama_dir, tmp_path / "noconfig", "config.json")
+    expect_one_line_error(run_export_cli(d, "-o", tmp_path / "out"), "config.json")
+
+
+def test_truncated_weights(run_export_cli, tiny_llama_dir, tmp_path):
+    d = copy_without(tiny_llama_dir, tmp_path / "trunc")
+    st = d / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    expect_one_line_error(run_export_cli(d, "-o", tmp_path / "out"), "model.safetensors")
+    st.write_bytes(b"\x05")  # shorter than the 8-byte header length
+    expect_one_line_error(run_export_cli(d, "-o", tmp_path / "out"), "model.safetensors")
+
+
+@pytest.mark.parametrize("damage", ["not json", "missing key"])
+def test_broken_config(run_export_cli, tiny_llama_dir, tmp_path, damage):
+    d = copy_without(tiny_llama_dir, tmp_path / "badcfg")
+    if damage == "not json":
+        (d / "config.json").write_text("{ oops")
+    else:
+        edit_config(d, num_attention_heads=None)
+    expect_one_line_error(run_export_cli(d, "-o", tmp_path / "out"), "config.json")
+
+
+def expect_usage_error(r, *needles: str) -> None:
+    """argparse's convention: a usage line, then `edge-export: error: ...`."""
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("usage: edge-export") and lines[-1].startswith("edge-export: error: "), r.stderr
+    for n in needles:
+        assert n in lines[-1], (n, lines[-1])
+
+
+def test_bad_options(run_export_cli, tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    expect_usage_error(run_export_cli("-o", out), "SOURCE")
+    expect_usage_error(run_export_cli(tiny_llama_dir, "-o", out, "--precision", "int3"), "--precision")
+    expect_usage_error(run_export_cli(tiny_llama_dir, "-o", out, "--block-size", "24"), "--block-size")
+    expect_usage_error(run_export_cli(tiny_llama_dir, "-o", out, "--drafter-layers", "0"), "--drafter-layers")
+    expect_one_line_error(run_export_cli(tiny_llama_dir, "-o", out, "--drafter-layers", "9", "--max-len", "256",
+                                         "--precision", "fp32", "--calib-tokens", "4"), "layers=9", "3")
+    assert not out.exists() and not out.with_name("out.partial").exists()
+
+
+@pytest.mark.xfail(strict=True, reason="bug: calibration prompts + generated tokens are not capped at --max-len, so "
+                                       "GroupQueryAttention fails (cos_cache shorter than the sequence): traceback")
+def test_small_max_len(run_export_cli, tiny_llama_dir, tmp_path):
+    r = run_export_cli(tiny_llama_dir, "-o", tmp_path / "out", "--max-len", "48", "--precision", "fp32",
+                       "--drafter-layers", "1", "--drafter-vocab", "64", "--calib-tokens", "8", "-q")
+    assert "Traceback" not in r.stderr, r.stderr[-600:]
+    assert r.returncode == 0
+
+
+def test_output_under_a_file(run_export_cli, tiny_llama_dir, tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    expect_one_line_error(run_export_cli(tiny_llama_dir, "-o", f / "out"), "a-file")
+
+
+def test_help_runs(run_export_cli):
+    r = run_export_cli("--help")
+    assert r.returncode == 0 and "edge-export" in r.stdout and "--drafter-vocab" in r.stdout
+
+
+@pytest.mark.xfail(strict=True, reason="bug: the export-time latency probe runs over 128 cached positions whatever "
+                                       "--max-len is, so any max_len < 129 fails in GroupQueryAttention")
+def test_max_len_below_latency_probe(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(calibration, "PROMPTS", ["hi there", "a short prompt"] * 5)  # all fit in 100 positions
+    m = export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(max_len=100), progress=False)
+    assert m.target.max_len == 100

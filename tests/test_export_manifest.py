@@ -1,0 +1,142 @@
+"""`edge_model.json`: what the exporter writes, the write → load round trip, and the load-time checks that make a
+stale, modified, truncated or foreign model directory fail with the file and the fix named."""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from conftest import BOS, CHAT_TEMPLATE, EOS, MAX_LEN, TINY_EXPORT_DRAFTER, VOCAB
+from edge.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ModelDirError, load_manifest
+
+
+@pytest.fixture
+def model_copy(exported_llama, tmp_path):
+    """A private copy of the session export, free to damage."""
+    d, _ = exported_llama
+    out = tmp_path / "model"
+    shutil.copytree(d, out)
+    return out
+
+
+def edit_manifest(d, **changes):
+    raw = json.loads((d / MANIFEST_NAME).read_text())
+    raw.update(changes)
+    (d / MANIFEST_NAME).write_text(json.dumps(raw))
+    return raw
+
+
+# ----------------------------------------------------------------------------- what the exporter writes
+
+def test_manifest_contents(exported_llama, tiny_llama_dir):
+    d, m = exported_llama
+    a = m.arch
+    assert m.format_version == FORMAT_VERSION
+    assert (a["layers"], a["heads"], a["kv_heads"], a["head_dim"], a["hidden"], a["vocab"]) == (3, 4, 2, 16, 64, VOCAB)
+    assert [g.role for g in m.graphs] == ["target", "drafter"]
+    t = m.target
+    assert (t.layers, t.vocab, t.precision, t.max_len, t.kv_dtype, t.lm_head_bits) == (3, VOCAB, "fp32", MAX_LEN,
+                                                                                      "float32", 0)
+    assert m.drafters[0].vocab == TINY_EXPORT_DRAFTER[1] and m.drafters[0].id_map.endswith("id_map.npy")
+    assert m.kv_bytes_per_token(t) == 2 * 3 * 2 * 16 * 4
+    assert m.tokenizer == "tokenizer.json" and (d / m.tokenizer).is_file()
+    assert m.chat_template == CHAT_TEMPLATE
+    assert m.special_tokens["bos"] == BOS and m.special_tokens["eos"] == [EOS]
+    assert m.source["format"] == "hf" and m.source["path"] == str(tiny_llama_dir.resolve())
+    assert {"onnx", "onnxruntime", "numpy"} <= set(m.converter)
+    # the parity report: fp32 must agree on every top-1 and within 1e-3
+    assert m.parity["top1_agreement"] == 1.0 and m.parity["max_abs_diff"] <= 1e-3 and m.parity["positions"] > 0
+
+
+def test_files_listed_with_true_sizes_and_digests(exported_llama):
+    d, m = exported_llama
+    on_disk = {p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file()} - {MANIFEST_NAME}
+    assert {f.path for f in m.files} == on_disk
+    for f in m.files:
+        p = d / f.path
+        assert p.stat().st_size == f.bytes
+        assert hashlib.sha256(p.read_bytes()).hexdigest() == f.sha256, f.path
+    for g in m.graphs:
+        assert g.weight_bytes == (d / g.file).stat().st_size + (d / (g.file + ".data")).stat().st_size
+    assert not list(d.parent.glob(d.name + ".partial")) and not list(d.parent.glob(d.name + ".old"))
+
+
+def test_round_trip_write_load(exported_llama, tmp_path):
+    d, m = exported_llama
+    assert load_manifest(d, verify="sha256") == m
+    m.write(tmp_path)
+    assert not list(tmp_path.glob("*.tmp"))
+    back = load_manifest(tmp_path, verify="none")
+    assert back == m
+    assert Manifest.from_dict(json.loads(m.to_json())) == m
+
+
+def test_unknown_keys_are_ignored(model_copy):
+    """A manifest from a newer exporter with the same format version may add fields."""
+    edit_manifest(model_copy, future_field={"x": 1})
+    assert load_manifest(model_copy).name
+
+
+# ----------------------------------------------------------------------------- load-time checks
+
+def test_sha256_catches_a_modified_file(model_copy):
+    data = model_copy / "target" / "model.onnx.data"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # same size, different content
+    data.write_bytes(bytes(raw))
+    load_manifest(model_copy, verify="size")  # a size check cannot see it
+    with pytest.raises(ModelDirError, match=r"model\.onnx\.data.*sha256.*re-run edge-export"):
+        load_manifest(model_copy, verify="sha256")
+
+
+def test_size_check_catches_truncation(model_copy):
+    data = model_copy / "drafter-l1-v128" / "model.onnx.data"
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size - 1)
+    with pytest.raises(ModelDirError, match=r"model\.onnx\.data.*bytes.*truncated"):
+        load_manifest(model_copy, verify="size")
+
+
+def test_missing_listed_file(model_copy):
+    (model_copy / "tokenizer.json").unlink()
+    with pytest.raises(ModelDirError, match=r"tokenizer\.json.*missing"):
+        load_manifest(model_copy)
+
+
+@pytest.mark.parametrize("version,fix", [(FORMAT_VERSION + 1, "upgrade edgespec"), (0, "re-export"),
+                                         ("1", "re-export"), (None, "re-export")])
+def test_format_version_mismatch(model_copy, version, fix):
+    edit_manifest(model_copy, format_version=version)
+    with pytest.raises(ModelDirError, match=f"manifest format.*{fix}"):
+        load_manifest(model_copy, verify="none")
+
+
+def test_missing_manifest_names_reexport(model_copy):
+    (model_copy / MANIFEST_NAME).unlink()
+    with pytest.raises(ModelDirError, match=r"edge_model\.json: missing.*re-run edge-export"):
+        load_manifest(model_copy)
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ModelDirError, match="no such model directory.*edge-export"):
+        load_manifest(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("damage", ["not json", "no graphs", "graph without role", "files not a list"])
+def test_malformed_manifest(model_copy, damage):
+    path = model_copy / MANIFEST_NAME
+    raw = json.loads(path.read_text())
+    if damage == "not json":
+        path.write_text("{ truncated")
+    else:
+        if damage == "no graphs":
+            del raw["graphs"]
+        elif damage == "graph without role":
+            del raw["graphs"][0]["role"]
+        else:
+            raw["files"] = [["tokenizer.json", 1, "x"]]
+        path.write_text(json.dumps(raw))
+    with pytest.raises(ModelDirError, match="re-run edge-export"):
+        load_manifest(model_copy)

@@ -1,0 +1,127 @@
+"""Trimmed-vocabulary early-exit drafters: the id map, the drafter graph's logits, and `rank_vocabulary`.
+
+The drafter's logits must be exactly the reference early exit (first N layers + final norm + LM head) restricted to
+the id map's rows; the id map must be a sorted set of valid target ids that keeps EOS.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import BOS, EOS, MAX_LEN, TINY_EXPORT_DRAFTER, VOCAB
+from edge.runner import GraphSession
+from export import reference
+from export.evaluate import GraphRunner, rank_vocabulary
+
+TOL = 1e-4
+LAYERS, K = TINY_EXPORT_DRAFTER
+
+
+@pytest.fixture(scope="module")
+def drafter(exported_llama):
+    d, m = exported_llama
+    (g,) = m.drafters
+    return d, m, g, np.load(d / g.id_map)
+
+
+def test_id_map_is_a_sorted_set_of_target_ids_with_eos(drafter):
+    _, _, g, id_map = drafter
+    assert id_map.dtype == np.int64 and id_map.shape == (K,)
+    assert np.all(np.diff(id_map) > 0)  # sorted and unique
+    assert id_map[0] >= 0 and id_map[-1] < VOCAB
+    assert EOS in id_map and BOS in id_map
+    assert g.vocab == K and g.layers == LAYERS and g.role == "drafter"
+
+
+def test_drafter_graph_width_is_k(drafter):
+    d, _, g, _ = drafter
+    out = {o.name: o for o in onnx.load(str(d / g.file), load_external_data=False).graph.output}
+    assert out["logits"].type.tensor_type.shape.dim[-1].dim_value == K
+
+
+def test_drafter_logits_equal_reference_early_exit(drafter, tiny_llama):
+    d, _, g, id_map = drafter
+    c = tiny_llama.config
+    r = GraphRunner(str(d / g.file), LAYERS, c.kv_heads, c.head_dim)
+    rng = np.random.default_rng(0)
+    for n in (1, 17, 50):
+        ids = rng.integers(0, VOCAB, n)
+        got = r.logits(ids)
+        assert got.shape == (n, K)
+        want = reference.forward(tiny_llama, ids, layers=LAYERS)[:, id_map]
+        np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+    # and it is an early exit, not the full model restricted to id_map
+    full = reference.forward(tiny_llama, ids)[:, id_map]
+    assert np.abs(got - full).max() > 0.1
+
+
+def test_drafter_through_runtime_session(drafter, tiny_llama):
+    """The manifest entry (layers, vocab, max_len) is enough for edge's session to drive the drafter."""
+    d, m, g, id_map = drafter
+    gs = GraphSession(str(d / g.file), m, g, capacity=MAX_LEN)
+    ids = np.random.default_rng(1).integers(0, VOCAB, 30)
+    want = reference.forward(tiny_llama, ids, layers=LAYERS)[:, id_map]
+    gs.prefill(ids[:20], chunk=6)
+    first = gs.forward(ids[20:25]).copy()
+    gs.cache.append(5)
+    got = np.concatenate([first, gs.forward(ids[25:26]).copy()])
+    np.testing.assert_allclose(got, want[20:26], atol=TOL, rtol=0)
+
+
+def test_manifest_reports_drafter_stats(drafter):
+    _, _, g, _ = drafter
+    s = g.stats
+    assert 0.0 <= s["top1_agreement"] <= 1.0 and 0.0 < s["vocab_coverage"] <= 1.0
+    assert s["held_out_positions"] > 0 and s["latency_ms_s1"] > 0
+
+
+def test_trimmed_vocab_narrower_than_topk(tiny_llama, tmp_path):
+    from export.graph import GraphOptions, build_graph, save_model
+
+    keep = np.array([1, 2, 5, 7])
+    save_model(build_graph(tiny_llama, GraphOptions(precision="fp32", max_len=64, layers=1), vocab_ids=keep),
+               str(tmp_path / "model.onnx"))
+    c = tiny_llama.config
+    got = GraphRunner(str(tmp_path / "model.onnx"), 1, c.kv_heads, c.head_dim).logits([3, 4])
+    np.testing.assert_allclose(got, reference.forward(tiny_llama, [3, 4], layers=1)[:, keep], atol=TOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------- rank_vocabulary
+
+RANK_CASES = {
+    # name: (token lists, vocab, always, expected order)
+    "by count": ([[3, 3, 1], [1, 3, 0]], 5, (), [3, 1, 0, 2, 4]),
+    "ties: lower id first": ([[4, 2], [2, 4]], 5, (), [2, 4, 0, 1, 3]),
+    "always first, in order": ([[1, 1, 1, 4]], 5, (4, 0), [4, 0, 1, 2, 3]),
+    "always out of range ignored": ([[2]], 4, (9, -1), [2, 0, 1, 3]),
+    "nothing produced": ([], 4, (), [0, 1, 2, 3]),
+    "empty lists": ([[], []], 3, (2,), [2, 0, 1]),
+}
+
+
+@pytest.mark.parametrize("name", list(RANK_CASES))
+def test_rank_vocabulary(name):
+    lists, vocab, always, want = RANK_CASES[name]
+    got = rank_vocabulary(lists, vocab, always=always)
+    assert got.tolist() == want
+
+
+def test_rank_vocabulary_always_with_repeats_is_a_permutation():
+    got = rank_vocabulary([[1, 1, 3]], 5, always=(2, 2))
+    assert sorted(got.tolist()) == [0, 1, 2, 3, 4]
+    assert got.tolist()[:3] == [2, 1, 3]
+
+
+def test_rank_vocabulary_is_a_permutation_randomized():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        vocab = int(rng.integers(1, 40))
+        lists = [list(rng.integers(0, vocab, int(rng.integers(0, 30)))) for _ in range(3)]
+        always = tuple(int(x) for x in rng.choice(vocab, size=min(vocab, 2), replace=False))
+        got = rank_vocabulary(lists, vocab, always=always)
+        assert sorted(got.tolist()) == list(range(vocab))
+        counts = np.bincount(np.concatenate([np.asarray(x, int) for x in lists] + [np.zeros(0, int)]),
+                             minlength=vocab)
+        rest = [t for t in got.tolist() if t not in always]
+        assert all(counts[a] > counts[b] or (counts[a] == counts[b] and a < b) for a, b in zip(rest, rest[1:]))

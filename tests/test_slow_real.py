@@ -1,0 +1,66 @@
+"""Slow tests on the real embedded model (SmolLM2-135M-Instruct, int4 default export). Run in CI too."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import edge
+
+pytestmark = pytest.mark.slow
+
+WORKLOADS = Path(__file__).resolve().parents[2] / "shared" / "workloads" / "public.jsonl"
+FALLBACK = ["What is the capital of France?", "Write a Python function that reverses a list.",
+            "Summarize: The council met on Monday and agreed to add two bus lines to the station.",
+            "Translate German to English: Ich habe heute keine Zeit."]
+
+
+def _prompts():
+    if not WORKLOADS.is_file():
+        return FALLBACK
+    seen, out = set(), []
+    for line in WORKLOADS.read_text().splitlines():
+        it = json.loads(line)
+        if it["category"] not in seen:
+            seen.add(it["category"])
+            out.append(it["turns"][0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def real():
+    return edge.load(drafter="none", progress=False)
+
+
+def test_real_token_logits_do_not_depend_on_call_length(real):
+    s = real.target
+    real.reset()
+    ids = real.encode("Explain how tides work.")
+    s.forward(ids, keep=1)
+    s.cache.append(len(ids))
+    seq = [504, 3458, 282, 4649, 314, 7042, 30, 198]
+    alone = []
+    for t in seq:
+        alone.append(s.forward([t]).copy())
+        s.cache.append(1)
+    s.cache.trim(len(seq))
+    together = s.forward(seq).copy()
+    assert np.array_equal(np.concatenate(alone), together), "1-token calls must compute what verify calls compute"
+    real.reset()
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "recycling", "hybrid", "model"])
+def test_real_greedy_speculative_identical_to_plain(real, drafter):
+    for p in _prompts():
+        ref = real.generate(p, max_tokens=48, drafter="none")
+        got = real.generate(p, max_tokens=48, drafter=drafter)
+        assert got.token_ids == ref.token_ids, (drafter, p[:60])
+
+
+def test_real_chat_second_turn_reuses_cache_and_lookup_drafts(real):
+    chat = real.chat()
+    first = chat.ask("Write two sentences about the moon.", max_tokens=48)
+    second = chat.ask("Repeat your previous answer exactly.", max_tokens=48, drafter="lookup")
+    assert second.stats.reused_tokens >= first.stats.prompt_tokens
+    assert second.stats.accepted > 0
+    assert "moon" in first.text.lower()
