@@ -13,49 +13,9 @@ import edge
 from edge import EngineBusy, EngineError, ModelDirError
 from edge.engine import Engine
 
-CORPUS = [
-    "the quick brown fox jumps over the lazy dog. café naïve résumé 😀 日本語のテキスト",
-    "def add(a, b):\n    return a + b\n\nprint(add(1, 2))",
-    "Summarize: the council met on monday and agreed to add two bus lines to the station.",
-] * 20
-TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-
-
-def _tiny_checkpoint(d, vocab=384, seed=0):
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=vocab - 8, special_tokens=["<|end|>", "<|user|>", "<|assistant|>", "<|system|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    d.mkdir(parents=True, exist_ok=True)
-    tok.save(str(d / "tokenizer.json"))
-    (d / "tokenizer_config.json").write_text(__import__("json").dumps({"chat_template": TEMPLATE}))
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, eos_token_id=0, bos_token_id=None)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharpen the random model so greedy text has structure (repeats, confident steps)
-        model.lm_head.weight.mul_(4.0)
-    model.save_pretrained(d)
-    return d
-
-
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from export.pipeline import ExportOptions, export_model
-
-    src = _tiny_checkpoint(tmp_path_factory.mktemp("ck") / "tiny")
-    out = tmp_path_factory.mktemp("models") / "tiny"
-    export_model(src, out, ExportOptions(precision="fp32", drafters=((2, 256),), calib_new_tokens=8, max_len=512,
-                                         parity=False), progress=False)
-    return out
+def tiny_dir(exported_llama):
+    return exported_llama[0]  # the session's tiny llama export (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,62 @@
+"""edge-chat and edge-bench as a user runs them (subprocesses on the tiny exported model)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(args, stdin=None, timeout=240):
+    return subprocess.run([sys.executable, "-m", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+
+
+@pytest.fixture(scope="module")
+def model(exported_llama):
+    return str(exported_llama[0])
+
+
+def test_chat_prompt_json(model):
+    r = _run(["edge.cli", "--model", model, "--prompt", "the quick brown fox", "--json", "--max-tokens", "12",
+              "--drafter", "lookup", "--context", "256"])
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("text", "token_ids", "prefill_ms", "decode_tok_s", "drafted", "accepted", "mean_accepted_len",
+                "peak_rss_mb"):
+        assert key in out
+    assert 0 < len(out["token_ids"]) <= 12 and out["peak_rss_mb"] > 10
+
+
+def test_chat_repl_commands(model):
+    r = _run(["edge.cli", "--model", model, "--max-tokens", "8", "--context", "256"],
+             stdin="hello there\n/stats\n/reset\nagain\n/quit\n")
+    assert r.returncode == 0, r.stderr
+    assert "conversation cleared" in r.stderr and '"generated"' in r.stderr
+    assert r.stderr.count("tok/s decode") == 2  # one stats line per answer
+
+
+def test_chat_bad_model_dir_is_one_clear_line(tmp_path):
+    r = _run(["edge.cli", "--model", str(tmp_path / "nope"), "--prompt", "hi"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().startswith("edge-chat: error:") and "edge-export" in r.stderr
+
+
+def test_chat_bad_sampling_values(model):
+    r = _run(["edge.cli", "--model", model, "--prompt", "hi", "--temp", "-1", "--context", "256"])
+    assert r.returncode == 2 and "temperature" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_writes_json_and_markdown(model, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "category": c, "turns": [t]}) for i, (c, t) in enumerate(
+        [("qa", "the quick brown fox"), ("code", "def add(a, b):")])) + "\n")
+    out = tmp_path / "b.json"
+    r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "1", "--max-tokens", "10", "--modes",
+              "none,lookup,recycling", "--second-turn", "again", "--out", str(out), "--quiet"])
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert set(doc["summary"]) == {"qa", "code", "qa+turn2", "code+turn2"}
+    for cat in doc["summary"].values():
+        assert cat["none"]["ratio_vs_none"] == 1.0
+        assert cat["lookup"]["identical_to_none"] == "1/1" and cat["recycling"]["identical_to_none"] == "1/1"
+    assert out.with_suffix(".md").read_text().startswith("| category |")
