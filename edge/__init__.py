@@ -44,11 +44,25 @@ def ensure_default_model(progress: bool = True) -> Path:
 
 def load(model_dir: str | os.PathLike | None = None, drafter: str = "auto", device: str | None = None,
          budget_mb: float | None = None, threads: int = 2, context: int | None = None,
-         progress: bool = True) -> Engine:
+         progress: bool = True, simulate: bool = False) -> Engine:
     """Load an exported model directory (default: the embedded SmolLM2, exported on first use).
 
-    `device` / `budget_mb` are accepted for the memory planner; until it lands they only validate."""
-    if budget_mb is not None and budget_mb <= 0:
+    `device` (a profile name from `devices`, or "host") and/or `budget_mb` turn on the memory planner: it picks
+    drafter and draft length that fit, and re-plans as a chat's context grows. A profile whose execution provider
+    is not installed is refused unless `simulate=True` (same budgets and shapes, CPU kernels)."""
+    if budget_mb is not None and not budget_mb > 0:
         raise EngineError(f"budget_mb must be positive (got {budget_mb})")
+    profile = None
+    if device is not None:
+        from devices import ProfileError, ProviderUnavailable
+
+        from .planning import profile_for
+
+        try:
+            profile = profile_for(device, simulate)
+        except (ProfileError, ProviderUnavailable) as e:
+            raise EngineError(str(e)) from e
     d = Path(model_dir) if model_dir is not None else ensure_default_model(progress)
-    return Engine(d, drafter=drafter, threads=threads, context=context)
+    providers = profile.providers if profile is not None else ("CPUExecutionProvider",)
+    return Engine(d, drafter=drafter, threads=threads, context=context, providers=providers, profile=profile,
+                  budget_mb=budget_mb)

@@ -37,8 +37,18 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--system", help="system prompt")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for ONNX Runtime (default 2)")
     ap.add_argument("--context", type=int, default=4096, help="context window in tokens (default 4096)")
-    ap.add_argument("--device", help="device profile for the memory planner (see edge-profile --list)")
-    ap.add_argument("--budget-mb", type=float, help="memory budget in MB for the planner")
+    ap.add_argument("--device", help="device profile for the memory planner: host, laptop-cpu-16gb, "
+                                     "nvidia-laptop-gpu-8gb, apple-m3-16gb, snapdragon-x-npu, intel-core-ultra-npu, "
+                                     "android-phone-8gb, or a profile JSON path")
+    ap.add_argument("--budget-mb", type=float, help="memory budget in MB; the planner picks drafter and draft length "
+                                                    "that fit and shrinks them as the chat grows")
+    ap.add_argument("--simulate", action="store_true",
+                    help="run a device profile whose execution provider is not installed on the CPU (same budget "
+                         "and shape limits)")
+    ap.add_argument("--plan", action="store_true",
+                    help="print the memory plan (drafter, K / tree nodes, predicted peak MB for plain and "
+                         "speculative decoding, both lower bounds) for --device/--budget-mb/--context and exit "
+                         "without loading the model")
     ap.add_argument("--prompt", help="answer this one prompt and exit (no REPL)")
     ap.add_argument("--json", action="store_true",
                     help="with --prompt: print one JSON object (text, token ids, prefill ms, decode tokens/s, "
@@ -88,8 +98,11 @@ def _repl(engine, a) -> int:
             print(HELP, file=sys.stderr)
             continue
         if cmd == "/stats":
-            print(json.dumps(last.to_dict() if last else {}, indent=2) + f"\npeak RSS {peak_rss_mb():.0f} MB",
-                  file=sys.stderr)
+            info = {"last_answer": last.to_dict() if last else {}, "peak_rss_mb": round(peak_rss_mb(), 1)}
+            if engine.plan is not None:
+                info["plan"] = engine.plan.to_dict()
+                info["predicted_peak_mb"] = round(engine.plan.peak_mb, 1)
+            print(json.dumps(info, indent=2), file=sys.stderr)
             continue
         stream = chat.send(line, **_params(a), drafter=a.drafter)
         try:
@@ -110,15 +123,39 @@ def _repl(engine, a) -> int:
         print(_stats_line(last), file=sys.stderr)
 
 
+def _print_plan(a) -> int:
+    from pathlib import Path
+
+    import edge
+    from edge.manifest import load_manifest
+    from edge.planning import plan_report, profile_for
+
+    d = Path(a.model) if a.model else edge.ensure_default_model()
+    try:
+        profile = profile_for(a.device, a.simulate)
+    except Exception as e:  # ProfileError / ProviderUnavailable: say what to do
+        print(f"edge-chat: error: {e}", file=sys.stderr)
+        return 2
+    rep = plan_report(load_manifest(d, verify="none"), profile, a.context, a.budget_mb)
+    if a.json:
+        print(json.dumps(rep))
+    else:
+        for k, v in rep.items():
+            print(f"{k}: {v}")
+    return 0 if rep["fits"] else 3
+
+
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     import edge
     from edge import EngineError, ModelDirError
 
     try:
+        if a.plan:
+            return _print_plan(a)
         t = time.perf_counter()
         engine = edge.load(a.model, drafter=a.drafter, device=a.device, budget_mb=a.budget_mb, threads=a.threads,
-                           context=a.context)
+                           context=a.context, simulate=a.simulate)
         load_s = time.perf_counter() - t
         if a.prompt is None:
             if a.json:

@@ -128,7 +128,8 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, model_dir: str | Path, drafter: str = "auto", threads: int = 2, context: int | None = None,
-                 providers=("CPUExecutionProvider",), verify: str = "size"):
+                 providers=("CPUExecutionProvider",), verify: str = "size", profile=None,
+                 budget_mb: float | None = None):
         if drafter not in DRAFTERS:
             raise EngineError(f"drafter {drafter!r}: choose one of {', '.join(DRAFTERS)}")
         self.model_dir = Path(model_dir)
@@ -157,7 +158,29 @@ class Engine:
         self.acceptance: dict[str, AcceptanceStats] = {}
         self._call_ms: dict[int, float] = {}
         self._draft_ms = 0.0  # model drafter: ms per drafted token (EMA)
+        # memory planning: with a device profile or budget, the plan picks drafter and K and is re-made as the
+        # context grows (shrinking only); without, the drafter runs unconstrained
+        self.profile, self.budget_mb, self.plan = profile, budget_mb, None
+        self._auto = drafter == "auto"
+        if profile is not None or budget_mb is not None:
+            self.plan = self._replan(self.context // 2, None)
 
+    def _replan(self, context: int, previous):
+        from memory.planner import BudgetError, PlanError
+
+        from .planning import make_plan, profile_for
+
+        if self.profile is None:
+            self.profile = profile_for(None)
+        try:
+            pl = make_plan(self.manifest, self.profile, max(1, context), self.budget_mb, stats=self.acceptance,
+                           min_call=self.target.min_call, capacity=self.context, tree_exact=self.target.tree_exact,
+                           previous=previous)
+        except (BudgetError, PlanError) as e:
+            raise EngineError(str(e)) from e
+        if self._auto:
+            self.default_drafter = pl.drafter
+        return pl
     def _verify_ms(self, s: int) -> float:
         if s in self._call_ms:
             return self._call_ms[s]
@@ -310,9 +333,13 @@ class Engine:
                               "shorten it (or load with a larger context)")
         p.check(room)
         rng = np.random.default_rng(p.seed)
+        if self.plan is not None:  # the context grows with every turn: re-plan, never growing the plan
+            self.plan = self._replan(min(self.context, len(ids) + p.max_tokens), self.plan)
         kind = p.drafter or self.default_drafter
         kind = self._resolve(kind) if kind == "auto" else kind
         drafter, k = self._drafter(kind, p, rng)
+        if self.plan is not None and kind == self.plan.drafter and p.draft_len is None:
+            k = min(k, self.plan.nodes)  # the memory plan caps draft tokens per call
         # chains get an adaptive length; tree drafters (exact trees only) fill their node budget
         d_chain = kind in ("lookup", "model") or not self.target.tree_exact
         st.drafter = kind

@@ -171,3 +171,14 @@ def test_sampling_is_reproducible_and_lossless_in_distribution(engine):
     keys = set(counts["none"]) | set(counts["model"])
     tv = 0.5 * sum(abs(counts["none"][k] - counts["model"][k]) / n for k in keys)
     assert tv < 0.12, tv  # ~16 outcomes, 600 samples each: sampling noise alone gives TV ≈ 0.05-0.08
+
+
+def test_memory_plan_drives_the_drafter_and_refuses_too_small_budgets(tiny_dir):
+    e = edge.load(tiny_dir, drafter="auto", context=512, budget_mb=4096)
+    assert e.plan is not None and e.plan.peak_mb <= 4096
+    r = e.generate(PROMPTS[0], max_tokens=20)
+    assert r.stats.drafter == e.plan.drafter
+    ref = edge.load(tiny_dir, drafter="none", context=512).generate(PROMPTS[0], max_tokens=20)
+    assert r.token_ids == ref.token_ids
+    with pytest.raises(EngineError, match="MB"):
+        edge.load(tiny_dir, context=512, budget_mb=1)

@@ -1,0 +1,51 @@
+"""Glue between a loaded (or only described) model and the memory planner: which drafters this export can run,
+the device profile, and the plan report `edge-chat --plan --json` prints. Decisions stay in `memory.planner`."""
+from __future__ import annotations
+
+from devices import check_available, detect_host, load_profile
+from memory.planner import BudgetError, Plan, PlanError, min_budget_plain, min_budget_speculative, plan
+
+from .manifest import Manifest
+
+
+def profile_for(device: str | None, simulate: bool = False):
+    """A device profile by name (or the detected host), checked for its execution provider."""
+    p = detect_host() if device in (None, "host") else load_profile(device)
+    return check_available(p, simulate=simulate)
+
+
+def capabilities(manifest: Manifest, tree_exact: bool | None = None) -> dict:
+    """Drafters the planner may choose for this export. Int8 activations make tree verification inexact (see
+    GraphSession._probe_tree_exact); without a loaded session that is read off the manifest."""
+    t = manifest.target
+    if tree_exact is None:
+        tree_exact = not (t.precision in ("int4", "int8") and t.accuracy_level == 4)
+    drafters = ["none", "lookup", "recycling", "hybrid"] + (["model"] if manifest.drafters else [])
+    return {"drafters": tuple(drafters), "tree_drafters": ("recycling", "hybrid") if tree_exact else ()}
+
+
+def make_plan(manifest: Manifest, profile, context: int, budget_mb: float | None, *, stats=None, min_call: int = 2,
+              capacity: int | None = None, tree_exact: bool | None = None, sampling: bool = False,
+              previous: Plan | None = None) -> Plan:
+    kw = dict(stats=stats, budget_mb=budget_mb, min_call=min_call, capacity=capacity, sampling=sampling,
+              **capabilities(manifest, tree_exact))
+    if previous is not None:
+        return plan(profile, manifest, context, ceiling=previous, **kw)
+    return plan(profile, manifest, context, **kw)
+
+
+def plan_report(manifest: Manifest, profile, context: int, budget_mb: float | None) -> dict:
+    """What `edge-chat --plan --json` prints: the plan, predicted peaks, and both lower bounds."""
+    caps = capabilities(manifest)
+    out = {"device": profile.name, "simulated": getattr(profile, "simulated", False), "context": context,
+           "budget_mb": budget_mb if budget_mb is not None else profile.budget_mb,
+           "min_budget_plain_mb": round(min_budget_plain(manifest, context, profile, min_call=2), 1)}
+    spec_lb = min_budget_speculative(manifest, context, None, profile, min_call=2, **caps)
+    out["min_budget_speculative_mb"] = None if spec_lb is None else round(spec_lb, 1)
+    try:
+        p = make_plan(manifest, profile, context, budget_mb)
+        out.update(plan=p.to_dict(), predicted_peak_mb={"plain": round(p.plain_peak_mb, 1),
+                                                        "speculative": round(p.peak_mb, 1)}, fits=True)
+    except (BudgetError, PlanError) as e:
+        out.update(plan=None, fits=False, error=str(e))
+    return out
