@@ -25,21 +25,10 @@ from kernels.tree import (
     verify_sampling_tree,
 )
 from kernels.verify import verify_sampling
+from toy_lm import FixedU, draw, emitted_counts, exact_joint, random_dist, trigram_table
 
 PROPERTY = settings(max_examples=200, deadline=None, database=None)
-N_SAMPLES = 20_000
-START = (0, 1)
 NEG = np.finfo(np.float32).min
-
-
-class FixedU:
-    """Stand-in rng whose ``random()`` returns preset values."""
-
-    def __init__(self, *values: float) -> None:
-        self.values = list(values)
-
-    def random(self) -> float:
-        return self.values.pop(0)
 
 
 # ------------------------------------------------------------------ slow references
@@ -318,58 +307,6 @@ def test_attention_bias_and_greedy_walk_match_slow_references_on_random_trees():
 # ------------------------------------------------------------------ toy models
 
 
-def trigram_table(seed: int, vocab: int, zeros: int = 1, alpha: float = 0.6) -> np.ndarray:
-    """[V, V, V]: table[a, b] = next-token distribution after tokens (a, b), some zeros."""
-    rng = np.random.default_rng(seed)
-    table = rng.dirichlet(np.full(vocab, alpha), size=(vocab, vocab))
-    for a in range(vocab):
-        for b in range(vocab):
-            table[a, b, rng.choice(vocab, size=zeros, replace=False)] = 0.0
-    return table / table.sum(axis=-1, keepdims=True)
-
-
-def draw(weights: list[float], rng) -> int:
-    """Independent plain-Python inverse CDF (weights need not be normalized)."""
-    total = sum(weights)
-    assert total > 0
-    u = rng.random() * total
-    acc, last = 0.0, 0
-    for i, w in enumerate(weights):
-        if w > 0:
-            acc += w
-            last = i
-            if u < acc:
-                return i
-    return last
-
-
-def exact_joint(P: np.ndarray, n_tokens: int) -> np.ndarray:
-    vocab = P.shape[0]
-    out = np.zeros(vocab**n_tokens)
-    for idx in range(vocab**n_tokens):
-        seq = [int(d) for d in np.base_repr(idx, vocab).zfill(n_tokens)]
-        ctx, prob = list(START), 1.0
-        for t in seq:
-            prob *= P[ctx[-2], ctx[-1], t]
-            ctx.append(t)
-        out[idx] = prob
-    return out
-
-
-def emitted_counts(step, n_tokens: int, vocab: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    counts = np.zeros(vocab**n_tokens, dtype=np.int64)
-    for _ in range(N_SAMPLES):
-        ctx = list(START)
-        while len(ctx) - len(START) < n_tokens:
-            ctx += step(ctx, rng)
-        idx = 0
-        for t in ctx[len(START) : len(START) + n_tokens]:
-            idx = idx * vocab + t
-        counts[idx] += 1
-    return counts
-
-
 def sampled_tree_step(P, Q, parents, draft_replacement, verify_replacement):
     """Draft a tree by sampling each node's children from q (with or without replacement),
     then verify it. Returns the emitted tokens."""
@@ -559,14 +496,8 @@ def sampling_tree_case(draw_):
     s = len(parents)
     vocab = draw_(st.integers(2, 5))
 
-    def dist():
-        row = np.array(draw_(st.lists(prob_entry, min_size=vocab, max_size=vocab)))
-        if row.sum() <= 0:
-            row[draw_(st.integers(0, vocab - 1))] = 1.0
-        return row / row.sum()
-
-    p = np.stack([dist() for _ in range(s)])
-    q = np.stack([dist() for _ in range(s)])
+    p = np.stack([random_dist(draw_, prob_entry, vocab) for _ in range(s)])
+    q = np.stack([random_dist(draw_, prob_entry, vocab) for _ in range(s)])
     tokens = [0] + [draw_(st.integers(0, vocab - 1)) for _ in range(1, s)]
     with_q = draw_(st.booleans())
     return (
