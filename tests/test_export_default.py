@@ -36,7 +36,10 @@ def test_default_model_export_and_parity(tmp_path):
     (dr,) = m.drafters
     id_map = np.load(out / dr.id_map)
     assert dr.vocab == 8192 == len(id_map) and np.all(np.diff(id_map) > 0) and 2 in id_map
-    assert 0 < dr.stats["top1_agreement"] <= 1 and dr.stats["vocab_coverage"] > 0.9
+    # both over the generated held-out positions (not the shared system prompt): 8192 ids cover 0.84 of them with
+    # 16 calibration tokens per prompt, 0.87 with the default 64
+    assert 0 < dr.stats["top1_agreement"] <= 1 and dr.stats["vocab_coverage"] > 0.75
+    assert dr.stats["top1_agreement"] > dr.stats["top1_agreement_raw"], dr.stats  # distillation: ≈ 0.03 → 0.13
     print("\nint4 parity", p, "\ndrafter", dr.stats)
 
     # fp32 graph on the real weights: 100% top-1 and within 1e-3 of the numpy reference

@@ -1,7 +1,8 @@
 """Trimmed-vocabulary early-exit drafters: the id map, the drafter graph's logits, and `rank_vocabulary`.
 
-The drafter's logits must be exactly the reference early exit (first N layers + final norm + LM head) restricted to
-the id map's rows; the id map must be a sorted set of valid target ids that keeps EOS.
+The drafter's logits must be exactly the reference early exit (first N layers + the self-distilled adapter, if the
+export fitted one + final norm + LM head) restricted to the id map's rows; the id map must be a sorted set of valid
+target ids that keeps EOS.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from conftest import BOS, EOS, MAX_LEN, TINY_EXPORT_DRAFTER, VOCAB
 from edge.runner import GraphSession
 from export import reference
+from export.distill import read_adapter
 from export.evaluate import GraphRunner, rank_vocabulary
 
 TOL = 1e-4
@@ -49,7 +51,7 @@ def test_drafter_logits_equal_reference_early_exit(drafter, tiny_llama):
         ids = rng.integers(0, VOCAB, n)
         got = r.logits(ids)
         assert got.shape == (n, K)
-        want = reference.forward(tiny_llama, ids, layers=LAYERS)[:, id_map]
+        want = reference.forward(tiny_llama, ids, layers=LAYERS, adapter=read_adapter(d / g.file))[:, id_map]
         np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
     # and it is an early exit, not the full model restricted to id_map
     full = reference.forward(tiny_llama, ids)[:, id_map]
@@ -61,7 +63,7 @@ def test_drafter_through_runtime_session(drafter, tiny_llama):
     d, m, g, id_map = drafter
     gs = GraphSession(str(d / g.file), m, g, capacity=MAX_LEN)
     ids = np.random.default_rng(1).integers(0, VOCAB, 30)
-    want = reference.forward(tiny_llama, ids, layers=LAYERS)[:, id_map]
+    want = reference.forward(tiny_llama, ids, layers=LAYERS, adapter=read_adapter(d / g.file))[:, id_map]
     gs.prefill(ids[:20], chunk=6)
     first = gs.forward(ids[20:25]).copy()
     gs.cache.append(5)
