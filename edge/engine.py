@@ -157,6 +157,7 @@ class Engine:
         # adaptive draft length: online acceptance per drafter and measured call latency per call width
         self.acceptance: dict[str, AcceptanceStats] = {}
         self._call_ms: dict[int, float] = {}
+        self._curve = None
         self._draft_ms = 0.0  # model drafter: ms per drafted token (EMA)
         # memory planning: with a device profile or budget, the plan picks drafter and K and is re-made as the
         # context grows (shrinking only); without, the drafter runs unconstrained
@@ -182,10 +183,13 @@ class Engine:
             self.default_drafter = pl.drafter
         return pl
     def _verify_ms(self, s: int) -> float:
+        """Measured mean call time at width s, else the default curve scaled to the narrowest measured call."""
         if s in self._call_ms:
             return self._call_ms[s]
         t1 = self._call_ms.get(self.target.min_call) or self.manifest.target.stats.get("latency_ms_s1") or 9.0
-        return LatencyCurve.scaled(t1, DEFAULT_VERIFY_SHAPE)(s)
+        if self._curve is None or self._curve[0] != t1:
+            self._curve = (t1, LatencyCurve.scaled(t1, DEFAULT_VERIFY_SHAPE))
+        return self._curve[1](s)
 
     def _stats(self, kind: str) -> AcceptanceStats:
         st = self.acceptance.get(kind)

@@ -475,10 +475,14 @@ def best_chain_length(stats: AcceptanceStats, verify_ms, draft_ms_per_token: flo
                       min_call: int = 1) -> int:
     """The per-step choice: the chain length K (0 = do not draft) maximizing expected tokens per millisecond,
     (1 + E[accepted | K]) / (K · t_draft + t_verify(max(K + 1, min_call))), with E from the online acceptance
-    statistics and t_verify a latency curve (callable S → ms)."""
-    best_k, best = 0, 1.0 / verify_ms(max(1, min_call))
-    for k in range(1, max_k + 1):
-        rate = (1.0 + stats.expected_accepted(k)) / (k * draft_ms_per_token + verify_ms(max(k + 1, min_call)))
-        if rate > best:
-            best_k, best = k, rate
-    return best_k
+    statistics and t_verify a latency curve (callable S → ms). Runs every decode step: vectorized over K."""
+    if max_k <= 0:
+        return 0
+    a = stats.table()[:, 0]  # acceptance at each depth for the rank-0 (chain) candidate
+    depth = np.minimum(np.arange(max_k), len(a) - 1)
+    expected = stats.draft_rate * np.cumsum(np.cumprod(a[depth]))  # E[accepted | K] for K = 1..max_k
+    ks = np.arange(1, max_k + 1)
+    cost = ks * draft_ms_per_token + np.array([verify_ms(max(k + 1, min_call)) for k in ks])
+    rates = (1.0 + expected) / cost
+    best = int(np.argmax(rates))
+    return best + 1 if rates[best] > 1.0 / verify_ms(max(1, min_call)) else 0
