@@ -340,7 +340,7 @@ class Engine:
         if self.plan is not None:  # the context grows with every turn: re-plan, never growing the plan
             self.plan = self._replan(min(self.context, len(ids) + p.max_tokens), self.plan)
         kind = p.drafter or self.default_drafter
-        kind = self._resolve(kind) if kind == "auto" else kind
+        kind = self._resolve(kind)  # also refuses a drafter this export cannot run, with the fix named
         drafter, k = self._drafter(kind, p, rng)
         if self.plan is not None and kind == self.plan.drafter and p.draft_len is None:
             k = min(k, self.plan.nodes)  # the memory plan caps draft tokens per call
@@ -481,7 +481,7 @@ class Chat:
             for ch in self.engine.stream(self.messages, **kw):
                 answer.append(ch.text)
                 yield ch
-        except EngineError:
+        except (EngineError, ModelDirError):  # refused before anything was generated: forget the question
             self.messages.pop()
             raise
         finally:

@@ -182,3 +182,14 @@ def test_memory_plan_drives_the_drafter_and_refuses_too_small_budgets(tiny_dir):
     assert r.token_ids == ref.token_ids
     with pytest.raises(EngineError, match="MB"):
         edge.load(tiny_dir, context=512, budget_mb=1)
+
+
+def test_model_drafter_without_drafter_graph_is_a_clear_error(tmp_path, tiny_llama_dir):
+    from export.pipeline import ExportOptions, export_model
+
+    out = tmp_path / "nodrafter"
+    export_model(tiny_llama_dir, out, ExportOptions(precision="fp32", drafters=(), calib_new_tokens=4, max_len=256,
+                                                    parity=False), progress=False)
+    e = edge.load(out, drafter="lookup", context=256)
+    with pytest.raises(ModelDirError, match="no drafter graph"):
+        e.generate("hi", max_tokens=4, drafter="model")
