@@ -51,16 +51,10 @@ def write_tokenizer(ck: Checkpoint, out_dir: Path) -> TokenizerFiles:
         cfg = json.loads((src / "config.json").read_text())
         return TokenizerFiles(_hf_chat_template(src), ck.config.bos_token_id, tuple(eos), cfg.get("pad_token_id"))
 
-    # GGUF → tokenizer.json via transformers' converter
-    try:
-        from transformers import AutoTokenizer
-    except ImportError as e:
-        raise CheckpointError("converting a GGUF tokenizer needs transformers: pip install 'edgespec[export]'") from e
+    # GGUF → tokenizer.json via transformers' GGUF tokenizer converter
+    backend = _gguf_backend_tokenizer(src)
     from tokenizers import processors
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    backend = tok.backend_tokenizer
     f = gguf_fields(src)
     if not f.get("tokenizer.ggml.add_bos_token", False):
         # the GGUF says no BOS; transformers' converter adds one in its post-processor regardless
@@ -73,3 +67,24 @@ def write_tokenizer(ck: Checkpoint, out_dir: Path) -> TokenizerFiles:
         eos=(int(eos),) if eos is not None else (),
         pad=f.get("tokenizer.ggml.padding_token_id"),
     )
+
+
+def _gguf_backend_tokenizer(src: Path):
+    """transformers' converter, called directly: `AutoTokenizer.from_pretrained(gguf_file=...)` refuses to run
+    without torch although reading the metadata needs none, and the first-run export must not pull in torch."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch not found" banner on a runtime install
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+        from transformers.integrations.ggml import convert_gguf_tokenizer
+    except ImportError as e:
+        raise CheckpointError("converting a GGUF tokenizer needs transformers: pip install 'transformers<5'") from e
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    real = gguf_utils.is_torch_available
+    gguf_utils.is_torch_available = lambda: True  # only guards an import; return_tensors=False touches no torch
+    try:
+        meta = gguf_utils.load_gguf_checkpoint(str(src), return_tensors=False)
+    finally:
+        gguf_utils.is_torch_available = real
+    arch = meta["config"].get("model_type", "llama")
+    backend, _ = convert_gguf_tokenizer(arch, meta["tokenizer"])
+    return backend
