@@ -370,7 +370,7 @@ class Engine:
                     new, finish = new[: p.max_tokens - len(out)], finish or "length"
                 out += new
                 st.generated = len(out)
-                text += dec.push(new)
+                text += dec.push([t for t in new if t not in self.eos])  # ids keep EOS; text does not
                 cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
                 if cut >= 0:
                     text, finish = text[:cut], "stop"

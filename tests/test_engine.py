@@ -193,3 +193,11 @@ def test_model_drafter_without_drafter_graph_is_a_clear_error(tmp_path, tiny_lla
     e = edge.load(out, drafter="lookup", context=256)
     with pytest.raises(ModelDirError, match="no drafter graph"):
         e.generate("hi", max_tokens=4, drafter="model")
+
+
+def test_eos_is_a_token_not_text(engine):
+    r = engine.generate(PROMPTS[0], max_tokens=60)
+    eos_text = engine.codec.decode(list(engine.codec.eos))
+    assert eos_text not in r.text
+    if r.finish_reason == "stop" and r.token_ids[-1] in engine.codec.eos:
+        assert r.text == engine.codec.decode(r.token_ids[:-1])

@@ -64,3 +64,4 @@ def test_real_chat_second_turn_reuses_cache_and_lookup_drafts(real):
     assert second.stats.reused_tokens >= first.stats.prompt_tokens
     assert second.stats.accepted > 0
     assert "moon" in first.text.lower()
+    assert "<|im_end|>" not in first.text and "<|im_end|>" not in second.text  # EOS ends text, never shows
