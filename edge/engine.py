@@ -413,7 +413,7 @@ class Engine:
                 root = nxt
         finally:
             st.decode_s = st.decode_s or time.perf_counter() - t1
-            self._rewind_to(len(ids) + len(out) - 1 if out else 0)
+            self._rewind_to(len(ids) + len(out) - 1 if out else len(ids))  # an interrupted prefill keeps its part
             if isinstance(drafter, ModelDrafter):
                 self._drafter_cached = drafter.cached
 
