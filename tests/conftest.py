@@ -201,3 +201,20 @@ def run_export_cli():
                               capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+def logits_alone_and_together(session, prompt_ids, seq) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of `seq` after `prompt_ids`, computed one call per token and in one call: the property lossless
+    speculation rests on is that both agree. Leaves the session's cache empty."""
+    s = session
+    s.cache.trim(s.cache.length)
+    s.forward(prompt_ids, keep=1)
+    s.cache.append(len(prompt_ids))
+    alone = []
+    for t in seq:
+        alone.append(s.forward([t]).copy())
+        s.cache.append(1)
+    s.cache.trim(len(seq))
+    together = s.forward(seq).copy()
+    s.cache.trim(s.cache.length)
+    return np.concatenate(alone), together

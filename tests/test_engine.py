@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import edge
+from conftest import logits_alone_and_together
 from edge import EngineBusy, EngineError, ModelDirError
 from edge.engine import Engine
 
@@ -45,20 +46,11 @@ def test_drafters_actually_draft(engine, drafter):
 
 def test_logits_do_not_depend_on_call_length(engine):
     """The property losslessness rests on: a token's logits are the same alone or inside a longer verify call."""
-    s = engine.target
     engine.reset()
-    prompt = engine.encode("the quick brown fox")
-    s.forward(prompt)
-    s.cache.append(len(prompt))
     rng = np.random.default_rng(0)
     seq = [int(t) for t in rng.integers(1, 300, 8)]
-    one_by_one = []
-    for t in seq:
-        one_by_one.append(s.forward([t]).copy())
-        s.cache.append(1)
-    s.cache.trim(len(seq))
-    together = s.forward(seq).copy()
-    np.testing.assert_allclose(np.concatenate(one_by_one), together, atol=1e-4)
+    alone, together = logits_alone_and_together(engine.target, engine.encode("the quick brown fox"), seq)
+    np.testing.assert_allclose(alone, together, atol=1e-4)
     engine.reset()
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import edge
+from conftest import logits_alone_and_together
 
 pytestmark = pytest.mark.slow
 
@@ -33,19 +34,10 @@ def real():
 
 
 def test_real_token_logits_do_not_depend_on_call_length(real):
-    s = real.target
     real.reset()
-    ids = real.encode("Explain how tides work.")
-    s.forward(ids, keep=1)
-    s.cache.append(len(ids))
     seq = [504, 3458, 282, 4649, 314, 7042, 30, 198]
-    alone = []
-    for t in seq:
-        alone.append(s.forward([t]).copy())
-        s.cache.append(1)
-    s.cache.trim(len(seq))
-    together = s.forward(seq).copy()
-    assert np.array_equal(np.concatenate(alone), together), "1-token calls must compute what verify calls compute"
+    alone, together = logits_alone_and_together(real.target, real.encode("Explain how tides work."), seq)
+    assert np.array_equal(alone, together), "1-token calls must compute what verify calls compute"
     real.reset()
 
 
