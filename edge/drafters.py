@@ -196,17 +196,6 @@ class ModelDrafter:
         self.drafted, self.fed = [], 0
 
 
-def make_drafter(kind: str, engine, params) -> object:
-    """Build a drafter for one generation; `engine` supplies sessions and id maps."""
-    if kind == "none":
-        return NoDrafter()
-    if kind == "lookup":
-        return engine.lookup
-    if kind == "model":
-        return engine.model_drafter(params)
-    raise ValueError(f"unknown drafter {kind!r}: choose auto, model, lookup or none")
-
-
 def tree_template(nodes: int, rank_prior) -> list[tuple[int, int]]:
     """A static draft-tree shape for `nodes` nodes: [(parent, rank)] in BFS-compatible order (parent -1 = root).
     Grown greedily by path probability, the product of per-rank priors along the path (DySpec's rule with

@@ -46,7 +46,6 @@ class GraphSession:
         self.topk = int(outs["top_ids"].shape[-1]) if "top_ids" in outs else 0  # on-graph TopK, if exported
         self._top = np.zeros((1, 1, max(1, self.topk)), np.int64)
         self.top_ids = None  # [R, topk] of the last call, when the graph has the TopK output
-        self.calls = 0
         self.min_call = 1
         self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.cache.layer(i, j))
                            for i in range(graph.layers) for j in range(2)]  # kept alive: bindings hold pointers
@@ -129,7 +128,6 @@ class GraphSession:
             b.bind_ortvalue_output("top_ids", self.ort.OrtValue.ortvalue_from_numpy(top))
             self.top_ids = top[0]
         self.sess.run_with_iobinding(b)
-        self.calls += 1
         return out[0] if want else None
 
     def _probe_tree_exact(self, tol: float = 1e-3) -> bool:
