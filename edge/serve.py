@@ -1,0 +1,532 @@
+"""edge-serve: an OpenAI-compatible local HTTP server for one exported model.
+
+    POST /v1/chat/completions   messages, max_tokens, temperature, top_p, seed, stop, stream (+ stream_options)
+    GET  /v1/models             the loaded model
+    GET  /health                status and counters
+
+edgespec extensions live under an "edgespec" key: in a request `{"edgespec": {"drafter": "lookup", "draft_len": 4}}`,
+in a response the speculative counters (drafted, accepted, steps, mean accepted length) and `prompt_tokens_reused`.
+
+Requests run one at a time on the engine, in one worker thread (never on the event loop), behind a bounded queue;
+a full queue is a 503. The engine keeps the longest common token prefix of the previous conversation in its KV
+cache, so a chat client that resends the whole history each turn only prefills the new tokens
+(`usage.prompt_tokens_details.cached_tokens`). A client that disconnects stops its generation; the engine rolls
+its cache back in `finally`, so the next request starts from a consistent state.
+
+HTTP stack: starlette + uvicorn (pure Python, no pydantic); see the README's "OpenAI-compatible server" section.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import inspect
+import ipaddress
+import json
+import logging
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .engine import DRAFTERS, EngineError
+from .manifest import ModelDirError
+
+log = logging.getLogger("edge.serve")
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_BODY = 4 << 20  # bytes; a prompt past the context is refused anyway, this bounds the tokenizer's work
+MAX_STOP = 4  # OpenAI's limit
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# ---------------------------------------------------------------------------------------------- request parsing
+
+@dataclass
+class ChatRequest:
+    messages: list[dict]
+    params: dict  # keyword arguments for Engine.stream
+    stream: bool = False
+    include_usage: bool = False
+
+
+def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise ApiError(400, f"{key} must be a number in [{lo}, {hi}] (got {v!r})", key, "invalid_value")
+    return float(v)
+
+
+def _int(body: dict, key: str, lo: int, param: str | None = None) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ApiError(400, f"{key} must be an integer >= {lo} (got {v!r})", param or key, "invalid_value")
+    return v
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # content parts: text only
+        texts = [p.get("text") for p in c if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) == len(c) and all(isinstance(t, str) for t in texts):
+            return "\n".join(texts)
+        raise ApiError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content",
+                       "invalid_value")
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts (got {c!r:.60})",
+                   f"messages[{i}].content", "invalid_value")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages",
+                       "missing_required_parameter" if msgs is None else "invalid_value")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object", f"messages[{i}]", "invalid_value")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role {role!r}: expected one of {', '.join(ROLES)}",
+                           f"messages[{i}].role", "invalid_value")
+        out.append({"role": ROLES[role], "content": _content(m, i)})
+    return out
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    s = body.get("stop")
+    if s is None:
+        return ()
+    s = [s] if isinstance(s, str) else s
+    if not isinstance(s, list) or len(s) > MAX_STOP or not all(isinstance(x, str) and x for x in s):
+        raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOP} of them", "stop",
+                       "invalid_value")
+    return tuple(s)
+
+
+def _extensions(body: dict) -> dict:
+    ext = body.get("edgespec")
+    if ext is None:
+        return {}
+    if not isinstance(ext, dict) or set(ext) - {"drafter", "draft_len"}:
+        raise ApiError(400, "edgespec must be an object with optional keys drafter, draft_len", "edgespec",
+                       "invalid_value")
+    out = {}
+    if ext.get("drafter") is not None:
+        if ext["drafter"] not in DRAFTERS:
+            raise ApiError(400, f"edgespec.drafter {ext['drafter']!r}: choose one of {', '.join(DRAFTERS)}",
+                           "edgespec.drafter", "invalid_value")
+        out["drafter"] = ext["drafter"]
+    k = _int(ext, "draft_len", 0, "edgespec.draft_len")
+    if k is not None:
+        if k > 64:
+            raise ApiError(400, f"edgespec.draft_len must be in [0, 64] (got {k})", "edgespec.draft_len",
+                           "invalid_value")
+        out["draft_len"] = k
+    return out
+
+
+def parse_chat_request(raw: bytes, default_max_tokens: int) -> ChatRequest:
+    """Validate a chat-completions body → ChatRequest; ApiError(400) names the offending parameter.
+    Unknown top-level fields (user, logit_bias, ...) are ignored, as OpenAI-compatible servers commonly do."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
+    messages = _messages(body)
+    if body.get("n") not in (None, 1):
+        raise ApiError(400, "n: only one choice per request is supported", "n", "invalid_value")
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, f"seed must be an integer (got {seed!r})", "seed", "invalid_value")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", "stream", "invalid_value")
+    opts = body.get("stream_options")
+    if opts is not None and (not stream or not isinstance(opts, dict)):
+        raise ApiError(400, "stream_options is only allowed with stream: true, as an object", "stream_options",
+                       "invalid_value")
+    params = dict(max_tokens=max_tokens or default_max_tokens,
+                  temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
+                  top_p=_number(body, "top_p", 0.0, 1.0, 1.0), seed=seed, stop=_stop(body), **_extensions(body))
+    if params["top_p"] == 0:
+        raise ApiError(400, "top_p must be in (0, 1] (got 0)", "top_p", "invalid_value")
+    return ChatRequest(messages, params, stream, bool((opts or {}).get("include_usage")))
+
+
+# ---------------------------------------------------------------------------------------------- the engine's thread
+
+@dataclass
+class Job:
+    """One request handed to the worker; results come back on the event loop through `out`."""
+    request: ChatRequest
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, kind: str, value=None) -> None:
+        """("chunk", Chunk) … then ("done", Stats) or ("error", ApiError). Called from the worker thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, (kind, value))
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancel.set()
+
+    async def next(self):
+        return await self.out.get()
+
+
+class Worker:
+    """The only thread that touches the engine. Holds at most one running job plus `max_queue` waiting ones."""
+
+    def __init__(self, engine, max_queue: int = 8, reuse: bool = True):
+        self.engine, self.max_queue, self.reuse = engine, max_queue, reuse
+        self.waiting: collections.deque[Job] = collections.deque()
+        self.current: Job | None = None
+        self.counts = collections.Counter()  # completed / cancelled / rejected / failed
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="edge-serve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stopping = True
+            dropped, self.waiting = list(self.waiting), collections.deque()
+            if self.current is not None:
+                self.current.cancel.set()
+            self._cv.notify_all()
+        for job in dropped:
+            job.emit("error", ApiError(503, "server is shutting down", code="shutting_down"))
+        self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stopping:
+                raise ApiError(503, "server is shutting down", code="shutting_down")
+            if len(self.waiting) + (self.current is not None) > self.max_queue:
+                self.counts["rejected"] += 1
+                raise ApiError(503, f"server busy: {len(self.waiting)} request(s) already waiting (--max-queue "
+                                    f"{self.max_queue}); retry later", code="server_busy")
+            self.waiting.append(job)
+            self._cv.notify()
+
+    def status(self) -> dict:
+        with self._cv:
+            return {"busy": self.current is not None, "waiting": len(self.waiting), "max_queue": self.max_queue,
+                    **{k: self.counts[k] for k in ("completed", "cancelled", "rejected", "failed")}}
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self.waiting and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                job = self.current = self.waiting.popleft()
+            try:
+                outcome = self._serve(job)
+            finally:
+                with self._cv:
+                    self.current = None
+                    self.counts[outcome] += 1
+
+    def _serve(self, job: Job) -> str:
+        if job.cancel.is_set():  # the client left while queued
+            return "cancelled"
+        e, req = self.engine, job.request
+        try:
+            n = len(e.encode(req.messages))
+            if n >= e.context:
+                raise ApiError(400, f"the messages are {n} tokens but the context holds {e.context}; shorten the "
+                                    "conversation (or restart edge-serve with a larger --context)", "messages",
+                               "context_length_exceeded")
+            if not self.reuse:
+                e.reset(keep_drafter_state=True)  # measure reuse's effect: prefill every prompt in full
+            stream, stopped = e.stream(req.messages, **req.params), False
+            try:
+                for ch in stream:
+                    job.emit("chunk", ch)
+                    if ch.finish_reason is None and job.cancel.is_set():
+                        stopped = True
+                        break
+            finally:
+                stream.close()  # the engine rolls its cache back to what was emitted
+            job.emit("done", e.last_stats)
+            return "cancelled" if stopped else "completed"
+        except ApiError as x:
+            job.emit("error", x)
+        except ModelDirError as x:  # e.g. a drafter this export does not have
+            job.emit("error", ApiError(400, str(x), "edgespec.drafter", "unsupported_drafter"))
+        except EngineError as x:
+            job.emit("error", ApiError(400, str(x), None, "invalid_request"))
+        except Exception as x:  # a bug: answer 500, keep serving
+            log.exception("generation failed")
+            job.emit("error", ApiError(500, f"internal error: {type(x).__name__}: {x}"))
+        return "failed"
+
+
+# ---------------------------------------------------------------------------------------------- response bodies
+
+def _usage(st) -> dict:
+    return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.generated,
+            "total_tokens": st.prompt_tokens + st.generated,
+            "prompt_tokens_details": {"cached_tokens": st.reused_tokens}}
+
+
+def _counters(st) -> dict:
+    return {"drafter": st.drafter, "drafted": st.drafted, "accepted": st.accepted, "steps": st.steps,
+            "mean_accepted_len": round(st.mean_accepted, 3), "prompt_tokens_reused": st.reused_tokens,
+            "prefill_ms": round(1000 * st.prefill_s, 2), "decode_tok_s": round(st.decode_tok_s, 2)}
+
+
+class _Reply:
+    """The fields every response and chunk of one completion share."""
+
+    def __init__(self, model: str):
+        self.base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
+                     "system_fingerprint": "edgespec"}
+
+    def completion(self, text: str, finish: str, st) -> dict:
+        return {**self.base, "object": "chat.completion",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                             "finish_reason": finish}],
+                "usage": _usage(st), "edgespec": _counters(st)}
+
+    def chunk(self, delta: dict | None, finish: str | None = None, **extra) -> bytes:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        obj = {**self.base, "object": "chat.completion.chunk", "choices": choices, **extra}
+        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _events(job: Job, reply: _Reply, first) -> object:
+    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+    usage = {"usage": None} if job.request.include_usage else {}
+    yield reply.chunk({"role": "assistant", "content": ""}, **usage)
+    kind, value, finish = *first, None
+    while kind == "chunk":
+        if value.text:
+            yield reply.chunk({"content": value.text}, **usage)
+        finish = value.finish_reason or finish
+        kind, value = await job.next()
+    if kind == "done":
+        yield reply.chunk({}, finish or "length", **usage, edgespec=_counters(value))
+        if job.request.include_usage:
+            yield reply.chunk(None, usage=_usage(value), edgespec=_counters(value))
+    else:  # failed after the stream began: the status line is sent already, so say it in the stream
+        yield b"data: " + json.dumps(value.body()).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+async def _cancel_on_disconnect(receive, job: Job) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    job.cancel.set()
+
+
+# ---------------------------------------------------------------------------------------------- the app
+
+def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_tokens: int = 1024):
+    """The ASGI app around one loaded Engine (the caller keeps ownership of the engine)."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    worker = Worker(engine, max_queue, reuse)
+    model_id = engine.manifest.name
+    started = int(time.time())
+
+    class SSEResponse(StreamingResponse):
+        """Streams the events; however the response ends (done, client gone, server stopping), the job stops."""
+
+        def __init__(self, events, job: Job):
+            super().__init__(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            self.job = job
+
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:
+                self.job.cancel.set()
+
+    def error_response(e: ApiError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return JSONResponse(e.body(), e.status, headers=headers)
+
+    async def chat_completions(request):
+        body = await request.body()
+        if len(body) > MAX_BODY:
+            raise ApiError(413, f"request body is {len(body)} bytes; the limit is {MAX_BODY}", None,
+                           "request_too_large")
+        req = parse_chat_request(body, default_max_tokens)
+        job = Job(req, asyncio.get_running_loop())
+        worker.submit(job)
+        watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
+        handed_off = False
+        try:
+            kind, value = first = await job.next()
+            if kind == "error":
+                raise value
+            reply = _Reply(model_id)
+            if req.stream:
+                handed_off = True
+                return SSEResponse(_events(job, reply, first), job)
+            text, finish = [], "length"
+            while kind == "chunk":
+                text.append(value.text)
+                finish = value.finish_reason or finish
+                kind, value = await job.next()
+            if kind == "error":
+                raise value
+            return JSONResponse(reply.completion("".join(text), finish, value))
+        finally:
+            watcher.cancel()
+            if not handed_off:
+                job.cancel.set()  # no-op when done; stops the generation if this handler was cancelled
+
+    def model_card() -> dict:
+        return {"id": model_id, "object": "model", "created": started, "owned_by": "edgespec"}
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    async def model(request):
+        if request.path_params["model"] != model_id:
+            raise ApiError(404, f"model {request.path_params['model']!r} not found; this server has {model_id!r}",
+                           "model", "model_not_found")
+        return JSONResponse(model_card())
+
+    async def health(request):
+        return JSONResponse({"status": "ok", "model": model_id, "drafter": engine.default_drafter,
+                             "context": engine.context, "reuse": reuse, **worker.status()})
+
+    async def on_api_error(request, e: ApiError):
+        return error_response(e)
+
+    async def on_http_error(request, e: HTTPException):
+        return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                       code="not_found" if e.status_code == 404 else None))
+
+    async def on_crash(request, e: Exception):
+        log.exception("request failed")
+        return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                            Route("/v1/models", models), Route("/v1/models/{model:path}", model),
+                            Route("/health", health)],
+                    exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash},
+                    lifespan=lifespan)
+    app.state.worker = worker
+    return app
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+def _load_params() -> set[str]:
+    """edge.load's keyword parameters: the edge-chat flags of the same name are the engine flags."""
+    import edge
+
+    return set(inspect.signature(edge.load).parameters) - {"model_dir", "progress"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .cli import _parser as chat_parser
+
+    ap = argparse.ArgumentParser(
+        prog="edge-serve",
+        description="Serve a local model over the OpenAI chat-completions API (POST /v1/chat/completions, "
+                    "GET /v1/models, GET /health). With no --model-dir, the embedded SmolLM2-135M-Instruct is "
+                    "exported into the cache on first run, as edge-chat does.")
+    ap.add_argument("--model-dir", "--model", dest="model_dir", metavar="DIR",
+                    help="exported model directory (edge-export); default: the embedded model")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default 127.0.0.1, this machine only; anything else exposes the model "
+                         "to the network without authentication)")
+    ap.add_argument("--port", type=int, default=8080, help="TCP port (default 8080)")
+    ap.add_argument("--max-queue", type=int, default=8,
+                    help="requests that may wait while one generates; more get HTTP 503 (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=1024,
+                    help="answer length when a request gives no max_tokens (default 1024)")
+    ap.add_argument("--no-reuse", action="store_true",
+                    help="prefill every prompt in full instead of reusing the previous conversation's KV cache "
+                         "(for measuring what reuse saves)")
+    ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                    help="uvicorn's log level; info logs every request (default warning)")
+    group = ap.add_argument_group("engine (the same flags as edge-chat)")
+    for action in chat_parser()._actions:  # edge-chat's own definitions, so new engine flags come along
+        if action.dest in _load_params():
+            group._add_action(action)
+    return ap
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    if a.max_queue < 0 or a.max_tokens < 1 or not 0 <= a.port < 65536:
+        print("edge-serve: error: --max-queue must be >= 0, --max-tokens >= 1, --port in [0, 65535]", file=sys.stderr)
+        return 2
+    if not _is_loopback(a.host):
+        print(f"edge-serve: warning: binding {a.host}: the API has no authentication; anyone who can reach this "
+              "address can use the model", file=sys.stderr)
+    import uvicorn
+
+    import edge
+
+    try:
+        engine = edge.load(a.model_dir, **{k: v for k, v in vars(a).items() if k in _load_params()})
+    except (EngineError, ModelDirError, ValueError) as e:
+        print(f"edge-serve: error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(engine, max_queue=a.max_queue, reuse=not a.no_reuse, default_max_tokens=a.max_tokens)
+    url_host = f"[{a.host}]" if ":" in a.host else a.host
+    print(f"edge-serve: {engine.manifest.name} (drafter {engine.default_drafter}, context {engine.context}) on "
+          f"http://{url_host}:{a.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.log_level in ("debug", "info"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
