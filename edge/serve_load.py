@@ -1,0 +1,135 @@
+"""A bounded load test for a running edge-serve on this machine: C concurrent clients × N chat requests each.
+
+    python -m edge.serve_load --url http://127.0.0.1:8080 --concurrency 4 --requests 20 --max-tokens 16 --json out.json
+
+Prints one JSON object: status counts (200 answered, 503 rejected by the bounded queue, anything else), lost
+requests (no HTTP answer at all), and latency percentiles of the answered ones. Clients start together and stop
+after their N requests; only loopback addresses are accepted (the server is local).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import http.client
+import ipaddress
+import json
+import math
+import sys
+import threading
+import time
+import urllib.parse
+
+PROMPTS = ["Name three rivers.", "What is the capital of France?", "Write a haiku about the sea.",
+           "Explain what a KV cache is in one sentence.", "List two prime numbers.", "Say hello in Spanish."]
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty list, else None."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(len(s) * q / 100) - 1))]
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _post(host: str, port: int, body: dict, timeout: float) -> tuple[int, dict | None]:
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        data = r.read()
+        try:
+            return r.status, json.loads(data)
+        except ValueError:
+            return r.status, None
+    finally:
+        conn.close()
+
+
+def run_load(url: str, concurrency: int = 4, requests: int = 20, max_tokens: int = 16,
+             timeout: float = 120.0) -> dict:
+    """Run the load and return the summary (see the module docstring); raises ValueError for a non-local url."""
+    u = urllib.parse.urlsplit(url)
+    host, port = u.hostname or "127.0.0.1", u.port or 80
+    if not _loopback(host):
+        raise ValueError(f"{url}: only loopback addresses (127.0.0.0/8, localhost, ::1) are load-tested")
+    lock = threading.Lock()
+    status: collections.Counter = collections.Counter()
+    latency: dict[int, list[float]] = collections.defaultdict(list)
+    lost, malformed = [], 0
+    start = threading.Barrier(concurrency)
+
+    def client(c: int) -> None:
+        nonlocal malformed
+        start.wait()
+        for i in range(requests):
+            body = {"model": "edgespec", "max_tokens": max_tokens, "temperature": 0,
+                    "messages": [{"role": "user", "content": PROMPTS[(c + i) % len(PROMPTS)]}]}
+            t = time.perf_counter()
+            try:
+                code, obj = _post(host, port, body, timeout)
+            except OSError as e:
+                with lock:
+                    lost.append(f"client {c} request {i}: {type(e).__name__}: {e}")
+                continue
+            dt = time.perf_counter() - t
+            ok = obj is not None and (("choices" in obj) if code == 200 else ("error" in obj))
+            with lock:
+                status[code] += 1
+                latency[code].append(dt)
+                malformed += not ok
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+
+    def ms(xs, q):
+        v = percentile(xs, q)
+        return None if v is None else round(1000 * v, 1)
+
+    ok = latency[200]
+    return {"url": url, "concurrency": concurrency, "requests_per_client": requests, "max_tokens": max_tokens,
+            "sent": concurrency * requests, "status": {str(k): v for k, v in sorted(status.items())},
+            "answered_200": status[200], "rejected_503": status[503], "lost": len(lost), "lost_detail": lost[:5],
+            "malformed_bodies": malformed, "wall_s": round(wall, 2),
+            "latency_ms_200": {"p50": ms(ok, 50), "p90": ms(ok, 90), "p99": ms(ok, 99), "max": ms(ok, 100)},
+            "latency_ms_503": {"p50": ms(latency[503], 50), "p99": ms(latency[503], 99)}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m edge.serve_load", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8080", help="edge-serve base URL (loopback only)")
+    ap.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default 4)")
+    ap.add_argument("--requests", type=int, default=20, help="requests per client (default 20)")
+    ap.add_argument("--max-tokens", type=int, default=16, help="max_tokens per request (default 16)")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request before it counts as lost")
+    ap.add_argument("--json", metavar="FILE", help="also write the summary to FILE")
+    a = ap.parse_args(argv)
+    if a.concurrency < 1 or a.requests < 1 or a.requests > 1000:
+        print("serve_load: error: --concurrency >= 1 and --requests in [1, 1000]", file=sys.stderr)
+        return 2
+    try:
+        out = run_load(a.url, a.concurrency, a.requests, a.max_tokens, a.timeout)
+    except ValueError as e:
+        print(f"serve_load: error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps(out, indent=2)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    return 0 if out["lost"] == 0 and out["malformed_bodies"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
