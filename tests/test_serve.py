@@ -1,0 +1,406 @@
+"""edge-serve as a client sees it: a real server process on loopback, the official `openai` client and raw HTTP,
+against the session's tiny exported llama. Outputs are compared with a fresh in-process engine (plain decoding)."""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import edge
+from edge.serve import ApiError, ChatRequest, Job, Worker, parse_chat_request
+from edge.serve_load import run_load
+
+MAX_QUEUE = 1  # small, so the load test meets the bounded queue
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_server(model_dir, *args, timeout=120.0):
+    """`edge-serve --model-dir DIR --port P ARGS` → (process, base url) once /health answers."""
+    script = Path(sys.executable).with_name("edge-serve")
+    assert script.exists(), "edge-serve console script missing: pip install -e ."
+    port = _free_port()
+    proc = subprocess.Popen([str(script), "--model-dir", str(model_dir), "--port", str(port), *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"edge-serve exited {proc.returncode}: {proc.stdout.read()}")
+        try:
+            if _get(port, "/health")[0] == 200:
+                return proc, port
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("edge-serve did not answer /health in time")
+
+
+def _stop_server(proc) -> str:
+    proc.terminate()
+    try:
+        out, _ = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out
+
+
+def _request(port, method, path, body=None, raw: bytes | None = None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        conn.request(method, path, data, {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+def _get(port, path):
+    return _request(port, "GET", path)
+
+
+def _post(port, body=None, raw=None):
+    return _request(port, "POST", "/v1/chat/completions", body, raw)
+
+
+def _idle(port, timeout=30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        h = _get(port, "/health")[1]
+        if not h["busy"] and not h["waiting"]:
+            return h
+        time.sleep(0.05)
+    raise AssertionError(f"server still busy: {h}")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(exported_llama):
+    return exported_llama[0]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dir):
+    proc, port = _start_server(tiny_dir, "--max-queue", MAX_QUEUE)
+    yield port
+    out = _stop_server(proc)
+    assert "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def fresh(tiny_dir):
+    """generate(messages, **kw) on an engine with an empty cache and drafter state: the lossless reference."""
+    engine = edge.load(tiny_dir, drafter="none")
+
+    def generate(messages, **kw):
+        engine.reset()
+        return engine.generate(messages, **{"drafter": "none", **kw})
+
+    generate.engine = engine
+    return generate
+
+
+@pytest.fixture
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="unused", max_retries=0)
+
+
+CONV = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "the quick brown fox"}]
+
+
+# ------------------------------------------------------------------------------ the openai client
+
+def test_openai_client_non_streaming_equals_engine(client, fresh):
+    ref = fresh(CONV, max_tokens=24)
+    r = client.chat.completions.create(model="tiny", messages=CONV, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.prompt_tokens == len(fresh.engine.encode(CONV))
+    ext = r.model_extra["edgespec"]
+    assert {"drafter", "drafted", "accepted", "steps", "mean_accepted_len", "prompt_tokens_reused"} <= set(ext)
+    assert 0 <= ext["accepted"] <= ext["drafted"] and ext["steps"] >= 1
+
+
+def test_openai_client_streaming_equals_engine(client, fresh):
+    ref = fresh(CONV, max_tokens=30)
+    chunks = list(client.chat.completions.create(model="tiny", messages=CONV, max_tokens=30, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == ref.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    assert chunks[-1].model_extra["edgespec"]["steps"] >= 1
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "model"])
+def test_per_request_drafter_is_lossless(client, fresh, drafter):
+    ref = fresh(CONV, max_tokens=20)
+    r = client.chat.completions.create(model="tiny", messages=CONV, max_tokens=20, temperature=0,
+                                       extra_body={"edgespec": {"drafter": drafter, "draft_len": 3}})
+    assert r.choices[0].message.content == ref.text
+    ext = r.model_extra["edgespec"]
+    assert ext["drafter"] == drafter and (ext["drafted"] == 0) == (drafter == "none")
+
+
+def test_seeded_sampling_follows_the_request(client, fresh):
+    kw = dict(max_tokens=20, temperature=0.9, top_p=0.8, seed=7)
+    ref = fresh(CONV, **kw)
+    got = [client.chat.completions.create(model="tiny", messages=CONV, extra_body={"edgespec": {"drafter": "none"}},
+                                          **kw).choices[0].message.content for _ in range(2)]
+    assert got == [ref.text, ref.text]
+
+
+def test_stop_string(client, fresh):
+    full = fresh(CONV, max_tokens=24).text
+    stop = full[4:7]
+    if len(full) < 8 or not stop.strip():
+        pytest.skip("tiny model's answer too short for a stop string")
+    r = client.chat.completions.create(model="tiny", messages=CONV, max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].message.content == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+
+
+def test_models_and_health(client, server, tiny_dir):
+    name = edge.load(tiny_dir).manifest.name
+    assert [m.id for m in client.models.list().data] == [name]
+    assert _get(server, f"/v1/models/{name}")[0] == 200
+    h = _get(server, "/health")
+    assert h[0] == 200 and h[1]["status"] == "ok" and h[1]["model"] == name and h[1]["max_queue"] == MAX_QUEUE
+
+
+# ------------------------------------------------------------------------------ conversation reuse
+
+def test_conversation_reuse_prefills_only_new_tokens(client, fresh):
+    first = client.chat.completions.create(model="tiny", messages=CONV, max_tokens=16, temperature=0)
+    conv = CONV + [{"role": "assistant", "content": first.choices[0].message.content},
+                   {"role": "user", "content": "def add(a, b):"}]
+    r = client.chat.completions.create(model="tiny", messages=conv, max_tokens=16, temperature=0)
+    reused = r.usage.prompt_tokens_details.cached_tokens
+    assert reused == r.model_extra["edgespec"]["prompt_tokens_reused"]
+    assert reused >= len(fresh.engine.encode(CONV)) - 1  # at least the first request's prompt
+    assert r.usage.prompt_tokens == len(fresh.engine.encode(conv)) > reused
+    assert r.choices[0].message.content == fresh(conv, max_tokens=16).text
+
+
+def _job(messages, max_tokens=16, on_chunk=None):
+    """A Job whose results arrive synchronously in the worker thread (a stand-in for the event loop)."""
+    done = threading.Event()
+    items = []
+
+    class Loop:
+        def call_soon_threadsafe(self, fn, item):
+            items.append(item)
+            if on_chunk and item[0] == "chunk":
+                on_chunk(job)
+            if item[0] != "chunk":
+                done.set()
+
+    job = Job(ChatRequest(messages, dict(max_tokens=max_tokens, temperature=0.0)), Loop())
+    job.items, job.done = items, done
+    return job
+
+
+def _run_jobs(worker, *jobs):
+    worker.start()
+    try:
+        for j in jobs:
+            worker.submit(j)
+            assert j.done.wait(60)
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_reuse_can_be_switched_off(tiny_dir, reuse):
+    engine = edge.load(tiny_dir, drafter="lookup")
+    second = CONV + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    a, b = _job(CONV), _job(second)
+    _run_jobs(Worker(engine, reuse=reuse), a, b)
+    kind, st = b.items[-1]
+    assert kind == "done" and (st.reused_tokens > 0) == reuse
+
+
+# ------------------------------------------------------------------------------ disconnects and the queue
+
+def test_worker_stops_a_cancelled_generation_and_rolls_back(tiny_dir, fresh):
+    engine = edge.load(tiny_dir, drafter="lookup")
+    job = _job(CONV, max_tokens=100, on_chunk=lambda j: j.cancel.set())  # the client leaves after one chunk
+    worker = Worker(engine)
+    _run_jobs(worker, job)
+    kinds = [k for k, _ in job.items]
+    assert kinds == ["chunk", "done"] and worker.counts["cancelled"] == 1
+    assert job.items[-1][1].generated < 100
+    assert engine.target.cache.length == len(engine.cached)
+    nxt = _job(CONV, max_tokens=20)
+    _run_jobs(Worker(engine), nxt)
+    text = "".join(ch.text for k, ch in nxt.items if k == "chunk")
+    assert text == fresh(CONV, max_tokens=20).text
+
+
+def test_full_queue_is_a_503():
+    worker = Worker(engine=None, max_queue=1)  # not started: nothing leaves the queue
+    worker.submit(_job(CONV))
+    worker.submit(_job(CONV))  # one would be running, one waiting
+    with pytest.raises(ApiError) as e:
+        worker.submit(_job(CONV))
+    assert e.value.status == 503 and e.value.body()["error"]["code"] == "server_busy"
+    assert worker.status()["rejected"] == 1
+
+
+def test_disconnect_mid_stream_then_fresh_output(server, fresh):
+    before = _idle(server)
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
+    conn.request("POST", "/v1/chat/completions",
+                 json.dumps({"messages": CONV, "max_tokens": 200, "temperature": 0, "stream": True}),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
+    events = 0
+    while events < 3:
+        line = r.fp.readline()
+        assert line, "stream ended before the disconnect"
+        events += line.startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    after = _idle(server)
+    assert after["cancelled"] + after["completed"] == before["cancelled"] + before["completed"] + 1
+    conv = CONV + [{"role": "user", "content": "café 😀"}]
+    status, body = _post(server, {"messages": conv, "max_tokens": 24, "temperature": 0})
+    assert status == 200 and body["choices"][0]["message"]["content"] == fresh(conv, max_tokens=24).text
+
+
+def test_load_every_request_answered_or_rejected(server, fresh):
+    before = _idle(server)
+    out = run_load(f"http://127.0.0.1:{server}", concurrency=4, requests=6, max_tokens=8, timeout=60)
+    assert out["lost"] == 0 and out["malformed_bodies"] == 0, out
+    assert out["answered_200"] + out["rejected_503"] == out["sent"] == 24, out
+    assert out["answered_200"] > 0 and out["rejected_503"] > 0, out  # 4 clients start together; 2 fit
+    after = _idle(server)
+    assert after["rejected"] - before["rejected"] == out["rejected_503"]
+    assert after["completed"] - before["completed"] == out["answered_200"]
+    assert out["latency_ms_200"]["p50"] <= out["latency_ms_200"]["p99"]
+    status, body = _post(server, {"messages": CONV, "max_tokens": 24, "temperature": 0})
+    assert status == 200 and body["choices"][0]["message"]["content"] == fresh(CONV, max_tokens=24).text
+
+
+def test_load_refuses_remote_targets():
+    with pytest.raises(ValueError, match="loopback"):
+        run_load("http://192.0.2.1:8080", requests=1)
+
+
+# ------------------------------------------------------------------------------ bad requests
+
+def _msgs(*roles):
+    return [{"role": r, "content": "hi"} for r in roles]
+
+
+BAD = [
+    ("malformed json", b'{"messages": [', None, "invalid_json"),
+    ("not an object", b"[1, 2]", None, "invalid_json"),
+    ("missing messages", {"max_tokens": 4}, "messages", "missing_required_parameter"),
+    ("empty messages", {"messages": []}, "messages", "invalid_value"),
+    ("unknown role", {"messages": _msgs("wizard")}, "messages[0].role", "invalid_value"),
+    ("content not text", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_value"),
+    ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content", "invalid_value"),
+    ("temperature too high", {"messages": _msgs("user"), "temperature": 3}, "temperature", "invalid_value"),
+    ("temperature not a number", {"messages": _msgs("user"), "temperature": "hot"}, "temperature", "invalid_value"),
+    ("top_p zero", {"messages": _msgs("user"), "top_p": 0}, "top_p", "invalid_value"),
+    ("max_tokens zero", {"messages": _msgs("user"), "max_tokens": 0}, "max_tokens", "invalid_value"),
+    ("max_tokens float", {"messages": _msgs("user"), "max_tokens": 2.5}, "max_tokens", "invalid_value"),
+    ("seed string", {"messages": _msgs("user"), "seed": "x"}, "seed", "invalid_value"),
+    ("too many stops", {"messages": _msgs("user"), "stop": list("abcde")}, "stop", "invalid_value"),
+    ("n > 1", {"messages": _msgs("user"), "n": 2}, "n", "invalid_value"),
+    ("stream not bool", {"messages": _msgs("user"), "stream": "yes"}, "stream", "invalid_value"),
+    ("stream_options without stream", {"messages": _msgs("user"), "stream_options": {"include_usage": True}},
+     "stream_options", "invalid_value"),
+    ("unknown drafter", {"messages": _msgs("user"), "edgespec": {"drafter": "oracle"}}, "edgespec.drafter",
+     "invalid_value"),
+    ("unknown extension", {"messages": _msgs("user"), "edgespec": {"turbo": True}}, "edgespec", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("name,body,param,code", BAD, ids=[b[0] for b in BAD])
+def test_parse_refuses_bad_requests(name, body, param, code):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with pytest.raises(ApiError) as e:
+        parse_chat_request(raw, 16)
+    err = e.value.body()["error"]
+    assert e.value.status == 400 and err["param"] == param and err["code"] == code and err["message"]
+
+
+def test_parse_accepts_openai_shapes():
+    req = parse_chat_request(json.dumps({
+        "model": "anything", "user": "ignored", "max_completion_tokens": 9, "temperature": 0, "seed": 3,
+        "stop": "\n\n", "stream": True, "stream_options": {"include_usage": True},
+        "messages": [{"role": "developer", "content": "be brief"},
+                     {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "edgespec": {"drafter": "lookup"}}).encode(), 16)
+    assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
+    assert req.params == dict(max_tokens=9, temperature=0.0, top_p=1.0, seed=3, stop=("\n\n",), drafter="lookup")
+    assert req.stream and req.include_usage
+    assert parse_chat_request(b'{"messages": [{"role": "user", "content": "x"}]}', 16).params["max_tokens"] == 16
+
+
+@pytest.mark.parametrize("name,body,param,code", [BAD[0], BAD[4], BAD[7], BAD[17]], ids=lambda v: str(v)[:20])
+def test_server_answers_bad_requests_with_error_objects(server, name, body, param, code):
+    status, obj = _post(server, raw=body if isinstance(body, bytes) else json.dumps(body).encode())
+    assert status == 400 and obj["error"]["param"] == param and obj["error"]["code"] == code
+    assert set(obj["error"]) == {"message", "type", "param", "code"}
+
+
+def test_server_refuses_oversized_prompt_and_body_then_keeps_serving(server, fresh):
+    long = [{"role": "user", "content": "the quick brown fox " * 200}]  # far past the tiny export's 256 tokens
+    status, obj = _post(server, {"messages": long, "max_tokens": 4})
+    assert status == 400 and obj["error"]["code"] == "context_length_exceeded" and obj["error"]["param"] == "messages"
+    status, obj = _post(server, {"messages": long, "max_tokens": 4, "stream": True})
+    assert status == 400 and obj["error"]["code"] == "context_length_exceeded"
+    status, obj = _post(server, raw=b'{"messages": "' + b"x" * (5 << 20) + b'"}')
+    assert status == 413 and obj["error"]["code"] == "request_too_large"
+    for method, path, want in [("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405),
+                               ("GET", "/v1/models/other", 404)]:
+        status, obj = _request(server, method, path)
+        assert status == want and set(obj["error"]) == {"message", "type", "param", "code"}
+    status, body = _post(server, {"messages": CONV, "max_tokens": 12, "temperature": 0})
+    assert status == 200 and body["choices"][0]["message"]["content"] == fresh(CONV, max_tokens=12).text
+
+
+def test_cli_has_edge_chat_engine_flags_and_refuses_bad_ones(tiny_dir):
+    r = subprocess.run([sys.executable, "-m", "edge.serve", "--help"], capture_output=True, text=True, timeout=60)
+    for flag in ("--drafter", "--device", "--budget-mb", "--context", "--threads", "--simulate", "--max-queue",
+                 "--host", "--port", "--model-dir", "--no-reuse"):
+        assert flag in r.stdout
+    r = subprocess.run([sys.executable, "-m", "edge.serve", "--model-dir", str(tiny_dir), "--max-queue", "-1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--max-queue" in r.stderr
+
+
+# ------------------------------------------------------------------------------ the real model
+
+@pytest.mark.slow
+def test_real_model_openai_client_equals_engine():
+    openai = pytest.importorskip("openai")
+    model_dir = edge.ensure_default_model(progress=False)
+    proc, port = _start_server(model_dir, "--max-queue", 2)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        r = client.chat.completions.create(model="x", messages=msgs, max_tokens=32, temperature=0)
+        ref = edge.load(model_dir, drafter="none").generate(msgs, max_tokens=32)
+        assert r.choices[0].message.content == ref.text
+    finally:
+        _stop_server(proc)
