@@ -5,6 +5,8 @@
 Prints one JSON object: status counts (200 answered, 503 rejected by the bounded queue, anything else), lost
 requests (no HTTP answer at all), and latency percentiles of the answered ones. Clients start together and stop
 after their N requests; only loopback addresses are accepted (the server is local).
+
+    python -m edge.serve_load --turns 10      # one chat resending its history: prompt tokens prefilled per turn
 """
 from __future__ import annotations
 
@@ -38,6 +40,14 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _target(url: str) -> tuple[str, int]:
+    u = urllib.parse.urlsplit(url)
+    host, port = u.hostname or "127.0.0.1", u.port or 80
+    if not _loopback(host):
+        raise ValueError(f"{url}: only loopback addresses (127.0.0.0/8, localhost, ::1) are load-tested")
+    return host, port
+
+
 def _post(host: str, port: int, body: dict, timeout: float) -> tuple[int, dict | None]:
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
@@ -55,10 +65,7 @@ def _post(host: str, port: int, body: dict, timeout: float) -> tuple[int, dict |
 def run_load(url: str, concurrency: int = 4, requests: int = 20, max_tokens: int = 16,
              timeout: float = 120.0) -> dict:
     """Run the load and return the summary (see the module docstring); raises ValueError for a non-local url."""
-    u = urllib.parse.urlsplit(url)
-    host, port = u.hostname or "127.0.0.1", u.port or 80
-    if not _loopback(host):
-        raise ValueError(f"{url}: only loopback addresses (127.0.0.0/8, localhost, ::1) are load-tested")
+    host, port = _target(url)
     lock = threading.Lock()
     status: collections.Counter = collections.Counter()
     latency: dict[int, list[float]] = collections.defaultdict(list)
@@ -106,21 +113,53 @@ def run_load(url: str, concurrency: int = 4, requests: int = 20, max_tokens: int
             "latency_ms_503": {"p50": ms(latency[503], 50), "p99": ms(latency[503], 99)}}
 
 
+TURNS = ["Hi! Can you help me plan a picnic?", "What food should I bring?", "And drinks?",
+         "How many sandwiches for six people?", "Any ideas for games?", "What if it rains?",
+         "Which park features matter most?", "What should I pack for the kids?", "How early should we arrive?",
+         "Thanks! Can you summarize the plan in three bullet points?"]
+
+
+def run_conversation(url: str, turns: int = 10, max_tokens: int = 48, timeout: float = 120.0) -> dict:
+    """One chat that resends its whole history each turn, as desktop clients do → per turn: prompt tokens, how
+    many of them the server reused from its KV cache, how many it prefilled, and its prefill time."""
+    host, port = _target(url)
+    messages, rows = [{"role": "system", "content": "You are a helpful assistant."}], []
+    for i in range(turns):
+        messages.append({"role": "user", "content": TURNS[i % len(TURNS)]})
+        code, obj = _post(host, port, {"messages": messages, "max_tokens": max_tokens, "temperature": 0}, timeout)
+        if code != 200:
+            raise RuntimeError(f"turn {i + 1}: HTTP {code}: {obj}")
+        usage, ext = obj["usage"], obj["edgespec"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        rows.append({"turn": i + 1, "prompt_tokens": usage["prompt_tokens"], "reused": cached,
+                     "prefilled": usage["prompt_tokens"] - cached, "prefill_ms": ext["prefill_ms"]})
+        messages.append({"role": "assistant", "content": obj["choices"][0]["message"]["content"]})
+    return {"url": url, "turns": rows, "prefilled_total": sum(r["prefilled"] for r in rows),
+            "prompt_tokens_total": sum(r["prompt_tokens"] for r in rows),
+            "prefill_ms_total": round(sum(r["prefill_ms"] for r in rows), 1)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m edge.serve_load", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8080", help="edge-serve base URL (loopback only)")
     ap.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default 4)")
     ap.add_argument("--requests", type=int, default=20, help="requests per client (default 20)")
-    ap.add_argument("--max-tokens", type=int, default=16, help="max_tokens per request (default 16)")
+    ap.add_argument("--max-tokens", type=int, help="max_tokens per request (default 16; 48 with --turns)")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request before it counts as lost")
+    ap.add_argument("--turns", type=int, default=0,
+                    help="instead of the load: one conversation of this many turns, reporting prompt tokens "
+                         "reused / prefilled per turn (compare a server started with --no-reuse)")
     ap.add_argument("--json", metavar="FILE", help="also write the summary to FILE")
     a = ap.parse_args(argv)
     if a.concurrency < 1 or a.requests < 1 or a.requests > 1000:
         print("serve_load: error: --concurrency >= 1 and --requests in [1, 1000]", file=sys.stderr)
         return 2
     try:
-        out = run_load(a.url, a.concurrency, a.requests, a.max_tokens, a.timeout)
-    except ValueError as e:
+        if a.turns > 0:
+            out = run_conversation(a.url, a.turns, a.max_tokens or 48, a.timeout)
+        else:
+            out = run_load(a.url, a.concurrency, a.requests, a.max_tokens or 16, a.timeout)
+    except (ValueError, RuntimeError) as e:
         print(f"serve_load: error: {e}", file=sys.stderr)
         return 2
     text = json.dumps(out, indent=2)
@@ -128,7 +167,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             f.write(text + "\n")
-    return 0 if out["lost"] == 0 and out["malformed_bodies"] == 0 else 1
+    return 0 if out.get("lost", 0) == 0 and out.get("malformed_bodies", 0) == 0 else 1
 
 
 if __name__ == "__main__":

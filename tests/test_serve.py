@@ -16,7 +16,7 @@ import pytest
 
 import edge
 from edge.serve import ApiError, ChatRequest, Job, Worker, parse_chat_request
-from edge.serve_load import run_load
+from edge.serve_load import run_conversation, run_load
 
 MAX_QUEUE = 1  # small, so the load test meets the bounded queue
 
@@ -194,6 +194,13 @@ def test_conversation_reuse_prefills_only_new_tokens(client, fresh):
     assert reused >= len(fresh.engine.encode(CONV)) - 1  # at least the first request's prompt
     assert r.usage.prompt_tokens == len(fresh.engine.encode(conv)) > reused
     assert r.choices[0].message.content == fresh(conv, max_tokens=16).text
+
+
+def test_conversation_command_reports_reuse_per_turn(server):
+    out = run_conversation(f"http://127.0.0.1:{server}", turns=3, max_tokens=8)
+    later = out["turns"][1:]
+    assert len(out["turns"]) == 3 and all(0 < t["reused"] and t["prefilled"] < t["prompt_tokens"] for t in later)
+    assert out["prefilled_total"] == sum(t["prompt_tokens"] - t["reused"] for t in out["turns"])
 
 
 def _job(messages, max_tokens=16, on_chunk=None):
