@@ -172,7 +172,8 @@ def parse_chat_request(raw: bytes, default_max_tokens: int) -> ChatRequest:
                        "invalid_value")
     params = dict(max_tokens=max_tokens or default_max_tokens,
                   temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
-                  top_p=_number(body, "top_p", 0.0, 1.0, 1.0), seed=seed, stop=_stop(body), **_extensions(body))
+                  top_p=_number(body, "top_p", 0.0, 1.0, 1.0), seed=None if seed is None else seed % 2**64,
+                  stop=_stop(body), **_extensions(body))  # numpy seeds are unsigned; OpenAI's may be negative
     if params["top_p"] == 0:
         raise ApiError(400, "top_p must be in (0, 1] (got 0)", "top_p", "invalid_value")
     return ChatRequest(messages, params, stream, bool((opts or {}).get("include_usage")))

@@ -361,6 +361,8 @@ def test_parse_accepts_openai_shapes():
     assert req.params == dict(max_tokens=9, temperature=0.0, top_p=1.0, seed=3, stop=("\n\n",), drafter="lookup")
     assert req.stream and req.include_usage
     assert parse_chat_request(b'{"messages": [{"role": "user", "content": "x"}]}', 16).params["max_tokens"] == 16
+    assert parse_chat_request(b'{"messages": [{"role": "user", "content": "x"}], "seed": -1}', 16).params["seed"] \
+        == 2**64 - 1
 
 
 @pytest.mark.parametrize("name,body,param,code", [BAD[0], BAD[4], BAD[7], BAD[17]], ids=lambda v: str(v)[:20])
