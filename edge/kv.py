@@ -12,14 +12,18 @@ from __future__ import annotations
 import numpy as np
 
 
+SCRATCH_SLOTS = 1
+
+
 class CacheFull(Exception):
     pass
 
 
 class KVCache:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype=np.float32):
-        # [layer, k|v, 1, kv_heads, capacity, head_dim]: each [1, kv_heads, capacity, head_dim] slice is contiguous
-        self.buf = np.zeros((layers, 2, 1, kv_heads, capacity, head_dim), dtype)
+        # [layer, k|v, 1, kv_heads, capacity + 1, head_dim]: each layer's slice is contiguous. The extra slot is
+        # scratch for the graph's pad query row (export/graph.py), which writes one K/V slot past a full cache
+        self.buf = np.zeros((layers, 2, 1, kv_heads, capacity + SCRATCH_SLOTS, head_dim), dtype)
         self.capacity = capacity
         self.length = 0
 

@@ -67,18 +67,21 @@ class GraphSession:
         return b
 
     def _probe_min_call(self) -> int:
-        """Lossless speculation needs a token's logits not to depend on how many tokens share its call. Some
-        kernels (MatMulNBits with int8 activations) take a different path for a single row; if a 1-token call
-        disagrees with the same token inside a 2-token call, every call is padded to at least 2 rows."""
+        """Lossless speculation needs a token's logits not to depend on how many tokens share its call.
+        GroupQueryAttention's single-query path sums in another order (~2e-7), which int8 activations amplify to
+        ~1 logit. Graphs from this exporter never take that path (a pad query row, export/graph.py); for older
+        graphs, if a 1-token call disagrees with the same token inside a 2-token call, every call is padded to at
+        least 2 rows here."""
         if self.cache.capacity < 8:
             return 1
         ids = [1, 2, 3]
         self.forward(ids[:2])
         self.cache.append(2)
-        one = self.forward(ids[2:]).copy()
-        two = self.forward(ids[2:] + [0])[0].copy()
+        one = self.forward(ids[2:])[0].copy()  # [V]
+        two = self.forward(ids[2:] + [0])[0].copy()  # [V]
         self.cache.trim(2)
         return 1 if np.array_equal(one, two) else 2
+
     def causal_bias(self, s: int) -> np.ndarray:
         """[1, 1, S, length + S]: the committed prefix plus a causal block for the S new tokens."""
         t = self.cache.length + s

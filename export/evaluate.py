@@ -55,7 +55,9 @@ class GraphRunner:
             if tok in stop:
                 break
             t = s + len(gen)
-            out = self.sess.run(names, self._feeds([tok], [t - 1], np.zeros((1, 1, 1, t), np.float32), out[1:]))
+            # presents end with the graph's pad-row slot (export/graph.py): drop it before feeding them back
+            past = [p[:, :, :-1] for p in out[1:]]
+            out = self.sess.run(names, self._feeds([tok], [t - 1], np.zeros((1, 1, 1, t), np.float32), past))
         return gen
 
     def latency_ms(self, s: int = 1, past: int = 128, reps: int = 20) -> float:

@@ -5,8 +5,9 @@ Graph I/O (what `edge` feeds):
     position_ids     int64 [1, S]          prefix length + depth for tree nodes
     attention_bias   float32 [1, 1, S, T]  additive; T = committed length + S (0 = attend, very negative = not)
     logits_keep      int64 [1]             0 = logits for every row; n > 0 = only the last n rows
-    past_key_values.{i}.key / .value  [1, kv_heads, max_len, head_dim]  one preallocated buffer per layer,
-                                           bound to present.{i}.* too: GroupQueryAttention appends in place
+    past_key_values.{i}.key / .value  [1, kv_heads, capacity + 1, head_dim]  one preallocated buffer per layer,
+                                           bound to present.{i}.* too: GroupQueryAttention appends in place; the
+                                           extra slot is scratch for the pad query row (`_pad_query_inputs`)
     → logits [1, S or n, V], present.{i}.key / .value
 
 Ops (the fast class onnxruntime-genai's builder uses, written here from the architecture):
@@ -16,7 +17,7 @@ one packed QKV MatMul · GroupQueryAttention with fused rotary (cos/sin caches, 
 MatMulNBits (block-wise int4/int8 weights) or plain MatMul (fp32/fp16).
 
 GroupQueryAttention wants `seqlens_k` (= T - 1) and `total_sequence_length` (= T); both are derived inside the graph
-from the attention bias' last dimension, so a caller only states the mask.
+from the attention bias' last dimension (+ 1 for the pad query row), so a caller only states the mask.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ class GraphOptions:
     layers: int | None = None  # early-exit drafter: the first N layers (+ final norm + head)
     max_len: int | None = None  # rotary table length; default: the model's max positions
     topk: int = 8  # extra outputs top_ids/top_logits [1, R, topk] (on-graph TopK; 0 = none)
+    pad_query: bool = True  # one extra attention query row, so 1-token calls compute what verify calls compute
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -68,9 +70,15 @@ class _Builder:
         self.np_ft = np.float16 if float_type == TensorProto.FLOAT16 else np.float32
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
+        self._init_arrays: dict[str, np.ndarray] = {}
         self._n = 0
 
     def init(self, name: str, arr: np.ndarray) -> str:
+        """A named initializer; asking again for the same name (a shared constant) reuses the first one."""
+        if name in self._init_arrays:
+            assert np.array_equal(self._init_arrays[name], arr), f"initializer {name!r} redefined"
+            return name
+        self._init_arrays[name] = arr
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
         return name
 
@@ -106,6 +114,22 @@ def rotary_tables(head_dim: int, theta: float, max_len: int) -> tuple[np.ndarray
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
+def _pad_query_inputs(g: _Builder) -> tuple[str, str]:
+    """GroupQueryAttention's single-query path sums in another order than its multi-query path (~2e-7), which int8
+    activations amplify to ~1 logit: a decode step would not compute what a verify call computes. So every attention
+    call gets one extra query row (zeros, position 0; it sees everything, the real rows never see it) and always
+    takes the multi-query path. Its K/V lands in the KV buffer's scratch slot after the call's tokens (the runtime
+    allocates capacity + 1 slots) and is never committed. Returns the padded (attention_bias, position_ids)."""
+    neg = g.init("neg", np.array(np.finfo(np.float32).min, np.float32))
+    bias = g.node("Pad", ["attention_bias", g.init("pad_col", np.array([0, 0, 0, 0, 0, 0, 0, 1], np.int64)), neg],
+                  name="bias_pad_col")[0]  # [1, 1, S, T+1]: no real row sees the pad slot
+    bias = g.node("Pad", [bias, g.init("pad_row", np.array([0, 0, 0, 0, 0, 0, 1, 0], np.int64))],
+                  name="bias_pad_row")[0]  # [1, 1, S+1, T+1]: the pad row sees all
+    positions = g.node("Pad", ["position_ids", g.init("pad_seq2", np.array([0, 0, 0, 1], np.int64))],
+                       name="positions_pad")[0]
+    return bias, positions
+
+
 def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None = None,
                 adapter: np.ndarray | None = None) -> onnx.ModelProto:
     """The target graph (all layers, full vocabulary) or a drafter (`opts.layers`, `vocab_ids` = kept target ids).
@@ -131,17 +155,20 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
     ]
     outputs = []
 
-    # T, seqlens_k = T - 1, from the mask's shape
-    shape = g.node("Shape", ["attention_bias"], name="bias_shape")[0]
+    bias, positions = "attention_bias", "position_ids"
+    if opts.pad_query:
+        bias, positions = _pad_query_inputs(g)
+    # T, seqlens_k = T - 1, from the (padded) mask's shape
+    shape = g.node("Shape", [bias], name="bias_shape")[0]
     t64 = g.node("Gather", [shape, g.init("const_3", np.array(3, np.int64))], name="total_len64", axis=0)[0]
     total = g.node("Cast", [t64], name="total_len", to=TensorProto.INT32)[0]
     seqlens = g.node("Sub", [total, g.init("const_one_i32", np.array(1, np.int32))], name="seqlens_scalar")[0]
     seqlens = g.node("Reshape", [seqlens, g.init("shape_1", np.array([1], np.int64))], name="seqlens_k")[0]
-    bias = "attention_bias"
     if ft != TensorProto.FLOAT:
         bias = g.node("Cast", [bias], name="attention_bias_cast", to=ft)[0]
 
-    cos, sin = rotary_tables(c.head_dim, c.rope_theta, max_len)
+    # GroupQueryAttention wants cos/sin rows for every slot it may see, the pad query's scratch slot included
+    cos, sin = rotary_tables(c.head_dim, c.rope_theta, max_len + int(opts.pad_query))
     cos_n, sin_n = g.init("cos_cache", cos.astype(g.np_ft)), g.init("sin_cache", sin.astype(g.np_ft))
 
     emb = w["model.embed_tokens.weight"].astype(g.np_ft)
@@ -161,11 +188,16 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
         ok, ov = f"present.{i}.key", f"present.{i}.value"
         inputs += [helper.make_tensor_value_info(pk, ft, kv_shape), helper.make_tensor_value_info(pv, ft, kv_shape)]
         outputs += [helper.make_tensor_value_info(ok, ft, kv_shape), helper.make_tensor_value_info(ov, ft, kv_shape)]
+        if opts.pad_query:
+            qkv = g.node("Pad", [qkv, g.init("pad_seq3", np.array([0, 0, 0, 0, 1, 0], np.int64))], name=f"l{i}/qkv_pad")[0]
         attn = g.node("GroupQueryAttention",
-                      [qkv, "", "", pk, pv, seqlens, total, cos_n, sin_n, "position_ids", bias],
+                      [qkv, "", "", pk, pv, seqlens, total, cos_n, sin_n, positions, bias],
                       domain=MS, name=f"l{i}/attn", outputs=[f"l{i}/attn/out", ok, ov],
                       num_heads=c.heads, kv_num_heads=c.kv_heads, do_rotary=1, rotary_interleaved=0,
                       local_window_size=-1)[0]
+        if opts.pad_query:  # drop the pad row: the first S rows
+            attn = g.node("Slice", [attn, g.init("zero_i64", np.array([0], np.int64)), g.init("minus_one_i64", np.array([-1], np.int64)),
+                                    g.init("one_i64", np.array([1], np.int64))], name=f"l{i}/attn_unpad")[0]
         o = g.linear(attn, L("self_attn.o_proj.weight"), f"l{i}/o_proj", bits)
         x, _, _, residual = g.node("SkipSimplifiedLayerNormalization",
                                    [o, residual, g.init(f"l{i}.post_norm", L("post_attention_layernorm.weight").astype(g.np_ft))],

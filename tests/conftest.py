@@ -158,7 +158,8 @@ class SharedKV:
         self.ort = ort
         self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         self.layers = layers
-        self.kv = np.zeros((layers, 2, 1, kv_heads, capacity, head_dim), np.float32)
+        # + 1: the graph's pad query row writes one K/V slot past the call's tokens (export/graph.py)
+        self.kv = np.zeros((layers, 2, 1, kv_heads, capacity + 1, head_dim), np.float32)
         self._vals = [ort.OrtValue.ortvalue_from_numpy(self.kv[i, j]) for i in range(layers) for j in range(2)]
 
     def run(self, ids, positions, bias, keep: int = 0) -> np.ndarray:
