@@ -11,18 +11,20 @@ from pathlib import Path
 from edge.manifest import ModelDirError, load_manifest
 
 from .checkpoint import CheckpointError, default_gguf_path
-from .graph import PRECISIONS
+from .graph import GRAPH_VERSION, PRECISIONS
 from .pipeline import DEFAULT_DRAFTER, DEFAULT_PRECISION, ExportOptions, export_model, source_digest
 
 
 def _reusable(out: Path, source: Path, opts: ExportOptions) -> bool:
-    """A previous export of the same source with the same options whose files still match their sha256."""
+    """A previous export of the same source with the same options, written by this graph builder version, whose files
+    still match their sha256."""
     try:
         m = load_manifest(out, verify="sha256")
     except ModelDirError:
         return False
     want = {**asdict(opts), "drafters": [list(d) for d in opts.drafters]}
-    return m.source.get("sha256") == source_digest(source) and m.source.get("options") == want
+    return (m.source.get("sha256") == source_digest(source) and m.source.get("options") == want
+            and m.source.get("graph_version") == GRAPH_VERSION)
 
 
 def export_default(progress: bool = True, force: bool = False, opts: ExportOptions | None = None):

@@ -23,7 +23,7 @@ from edge.text import TextCodec
 from . import calibration, distill, reference
 from .checkpoint import Checkpoint, load_checkpoint
 from .evaluate import GraphRunner, parity, rank_vocabulary
-from .graph import GraphOptions, build_graph, save_model
+from .graph import GRAPH_VERSION, GraphOptions, build_graph, save_model
 from .tokenizer import write_tokenizer
 
 # Chosen by measurement on the 2-core dev VM (README "Quantization"): int4 weights with int8 activations
@@ -289,7 +289,8 @@ def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, opts: Ex
             chat_template=tf.chat_template,
             special_tokens={"bos": tf.bos, "eos": list(tf.eos), "pad": tf.pad},
             source={"path": str(Path(ck.source).resolve()), "format": ck.source_format,
-                    "sha256": source_digest(ck.source), "options": {**asdict(opts), "drafters": [list(d) for d in opts.drafters]}},
+                    "sha256": source_digest(ck.source), "options": {**asdict(opts), "drafters": [list(d) for d in opts.drafters]},
+                    "graph_version": GRAPH_VERSION},
             converter=_versions(),
             parity=report,
         )

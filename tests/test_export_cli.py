@@ -182,3 +182,17 @@ def test_max_len_below_latency_probe(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "PROMPTS", ["hi there", "a short prompt"] * 5)  # all fit in 100 positions
     m = export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(max_len=100), progress=False)
     assert m.target.max_len == 100
+
+
+def test_cache_from_an_older_graph_builder_is_rebuilt(exported_llama, tiny_llama_dir, tmp_path):
+    """`edge-export --default` reuses a cached export only when this graph builder wrote it."""
+    from edge.manifest import MANIFEST_NAME
+    from export.cli import _reusable
+
+    d = tmp_path / "copy"
+    shutil.copytree(exported_llama[0], d)
+    assert _reusable(d, tiny_llama_dir, tiny_export_options())
+    raw = json.loads((d / MANIFEST_NAME).read_text())
+    raw["source"]["graph_version"] -= 1
+    (d / MANIFEST_NAME).write_text(json.dumps(raw))
+    assert not _reusable(d, tiny_llama_dir, tiny_export_options())
