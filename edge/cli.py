@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 
@@ -11,9 +10,11 @@ HELP = "commands: /reset (forget the conversation)  /stats (last answer's counte
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process and its children, MB (Linux reports KiB)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return peak / 1e6 if sys.platform == "darwin" else peak * 1024 / 1e6  # macOS reports bytes, Linux KiB
+    """Peak resident set size of this process (and of any finished child), in MB of 2**20 bytes like the
+    footprint model's."""
+    from .memprobe import peak_rss_bytes
+
+    return peak_rss_bytes(children=True) / 2**20
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
                                      "android-phone-8gb, or a profile JSON path")
     ap.add_argument("--budget-mb", type=float, help="memory budget in MB; the planner picks drafter and draft length "
                                                     "that fit and shrinks them as the chat grows")
+    ap.add_argument("--calibration", metavar="JSON",
+                    help="edge-profile's calibration.json for the planner (measured latency, acceptance, memory "
+                         "baseline); default: the one `edge-profile --install` left for this model, if any")
     ap.add_argument("--simulate", action="store_true",
                     help="run a device profile whose execution provider is not installed on the CPU (same budget "
                          "and shape limits)")
@@ -75,6 +79,22 @@ def _result_json(r, st) -> dict:
             "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 
+def _stats_info(engine, last) -> dict:
+    """/stats: the last answer's counters, measured memory, and the current plan with its predicted peak."""
+    import psutil
+
+    info = {"last_answer": last.to_dict() if last else {}, "context_tokens": engine.target.cache.length,
+            "memory_mb": {"measured_peak_rss": round(peak_rss_mb(), 1),
+                          "measured_rss_now": round(psutil.Process().memory_info().rss / 2**20, 1)}}
+    if engine.plan is not None:
+        p = engine.plan
+        info["plan"] = {"drafter": p.drafter, "k": p.k, "nodes": p.nodes, "tree": p.tree, "context": p.context,
+                        "max_context": p.max_context, "speedup": round(p.speedup, 3), "reason": p.reason}
+        info["memory_mb"].update(budget=p.budget_mb, predicted_peak=round(p.peak_mb, 1),
+                                 predicted_plain_peak=round(p.plain_peak_mb, 1))
+    return info
+
+
 def _repl(engine, a) -> int:
     chat = engine.chat(system=a.system)
     print(f"edgespec · {engine.manifest.name} · drafter {engine.default_drafter} · {HELP}", file=sys.stderr)
@@ -98,11 +118,7 @@ def _repl(engine, a) -> int:
             print(HELP, file=sys.stderr)
             continue
         if cmd == "/stats":
-            info = {"last_answer": last.to_dict() if last else {}, "peak_rss_mb": round(peak_rss_mb(), 1)}
-            if engine.plan is not None:
-                info["plan"] = engine.plan.to_dict()
-                info["predicted_peak_mb"] = round(engine.plan.peak_mb, 1)
-            print(json.dumps(info, indent=2), file=sys.stderr)
+            print(json.dumps(_stats_info(engine, last), indent=2), file=sys.stderr)
             continue
         stream = chat.send(line, **_params(a), drafter=a.drafter)
         try:
@@ -132,8 +148,8 @@ def _print_plan(a) -> int:
 
     d = Path(a.model) if a.model else edge.ensure_default_model()
     try:
-        profile = profile_for(a.device, a.simulate)
-    except Exception as e:  # ProfileError / ProviderUnavailable: say what to do
+        profile = profile_for(a.device, a.simulate, a.calibration, d)
+    except Exception as e:  # ProfileError / ProviderUnavailable / CalibrationError: say what to do
         print(f"edge-chat: error: {e}", file=sys.stderr)
         return 2
     rep = plan_report(load_manifest(d, verify="none"), profile, a.context, a.budget_mb)
@@ -155,7 +171,7 @@ def main(argv=None) -> int:
             return _print_plan(a)
         t = time.perf_counter()
         engine = edge.load(a.model, drafter=a.drafter, device=a.device, budget_mb=a.budget_mb, threads=a.threads,
-                           context=a.context, simulate=a.simulate)
+                           context=a.context, simulate=a.simulate, calibration=a.calibration)
         load_s = time.perf_counter() - t
         if a.prompt is None:
             if a.json:

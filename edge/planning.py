@@ -2,16 +2,72 @@
 the device profile, and the plan report `edge-chat --plan --json` prints. Decisions stay in `memory.planner`."""
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from pathlib import Path
+
 from devices import check_available, detect_host, load_profile
+from memory.footprint import Calibration
 from memory.planner import BudgetError, Plan, PlanError, min_budget_plain, min_budget_speculative, plan
 
 from .manifest import Manifest
 
+CALIBRATION_SECTIONS = ("device_class", "memory", "latency", "acceptance", "source", "host")
 
-def profile_for(device: str | None, simulate: bool = False):
-    """A device profile by name (or the detected host), checked for its execution provider."""
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used; the message names the file and what is wrong."""
+
+
+def default_calibration_path(model_dir) -> Path:
+    """Where `edge-profile --install` puts a calibration and edge.load looks for one: $EDGESPEC_HOME/calibration/
+    <model dir name>.json (per model: latency curves and acceptance belong to one export on one host)."""
+    from . import home
+
+    return home() / "calibration" / f"{Path(model_dir).name}.json"
+
+
+def load_calibration(path) -> dict:
+    """A calibration JSON written by edge-profile, checked: known sections, valid memory constants, acceptance
+    tables that load. The planner reads it from the profile's `calibration` field."""
+    from memory.acceptance import AcceptanceStats
+
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except OSError as e:
+        raise CalibrationError(f"calibration {p}: cannot read it ({e.strerror}); run edge-profile to make one") \
+            from None
+    except ValueError as e:
+        raise CalibrationError(f"calibration {p}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise CalibrationError(f"calibration {p}: expected a JSON object")
+    bad = sorted(set(d) - set(CALIBRATION_SECTIONS))
+    if bad:
+        raise CalibrationError(f"calibration {p}: unknown section(s) {bad}; known: {', '.join(CALIBRATION_SECTIONS)}")
+    try:
+        Calibration.from_dict(d.get("memory"), d.get("device_class", "cpu"))
+        for v in (d.get("acceptance") or {}).values():
+            AcceptanceStats.from_dict(v)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CalibrationError(f"calibration {p}: {e}") from None
+    d["path"] = str(p)
+    return d
+
+
+def profile_for(device: str | None, simulate: bool = False, calibration=None, model_dir=None):
+    """A device profile by name (or the detected host), checked for its execution provider, carrying a calibration:
+    `calibration` (a path) if given, else for the host the one edge-profile --install left for `model_dir`."""
     p = detect_host() if device in (None, "host") else load_profile(device)
-    return check_available(p, simulate=simulate)
+    p = check_available(p, simulate=simulate)
+    if calibration is None and model_dir is not None and p.name == "host":
+        auto = default_calibration_path(model_dir)
+        calibration = auto if auto.is_file() else None
+    if calibration is not None:
+        cal = load_calibration(calibration)
+        p = replace(p, calibration={k: v for k, v in cal.items() if k != "path"},
+                    notes=(p.notes + "; " if p.notes else "") + f"calibration {cal['path']}")
+    return p
 
 
 def capabilities(manifest: Manifest, tree_exact: bool | None = None) -> dict:
@@ -38,6 +94,7 @@ def plan_report(manifest: Manifest, profile, context: int, budget_mb: float | No
     """What `edge-chat --plan --json` prints: the plan, predicted peaks, and both lower bounds."""
     caps = capabilities(manifest)
     out = {"device": profile.name, "simulated": getattr(profile, "simulated", False), "context": context,
+           "calibration": (profile.calibration or {}).get("source"),
            "budget_mb": budget_mb if budget_mb is not None else profile.budget_mb,
            "min_budget_plain_mb": round(min_budget_plain(manifest, context, profile, min_call=2), 1)}
     spec_lb = min_budget_speculative(manifest, context, None, profile, min_call=2, **caps)

@@ -1,0 +1,98 @@
+"""One memory measurement in a fresh process: `python -m edge.memprobe '{json}'` loads a model with a KV cache sized
+to the run, fills it to `context` tokens, decodes with a fixed draft length, and prints one JSON line with its own
+peak RSS (ru_maxrss of this process only, so every point is isolated) next to the footprint model's prediction for
+exactly this run. `edge-profile` runs one of these per (context, K) point."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+
+
+# a unit of ordinary prose, well over 64 tokens, for when no prompt file is given
+DEFAULT_UNIT = ("Speculative decoding drafts several tokens cheaply and lets the large model check them all in one "
+                "call. When the draft agrees with what the model would have said, many tokens are produced for the "
+                "price of one forward pass; when it does not, the first disagreeing token is replaced by the "
+                "model's own choice and nothing is lost. The extra memory it needs comes from the draft tokens' "
+                "cache slots, their logits, and whatever state the drafter keeps, and on a small device that "
+                "memory decides whether the model runs at all. ")
+
+
+def peak_rss_bytes(children: bool = False) -> int:
+    """Peak RSS of this process: VmHWM on Linux (this process image alone; ru_maxrss would also carry the parent's
+    RSS at fork time across exec), ru_maxrss elsewhere. children=True: or the largest finished child's, if larger."""
+    kib = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib
+    try:
+        with open("/proc/self/status") as f:
+            own = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        pass
+    return max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kib) if children else own
+
+
+def rss_bytes() -> int:
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def filler_text(codec, n: int, unit: str) -> str:
+    """Text that encodes to about n tokens: `unit` repeated (BPE merges across the seams, so the cut is refined
+    on the re-encoded text)."""
+    ids = codec.encode(unit) or [codec.bos or 0]
+    want = n
+    for _ in range(4):
+        reps = -(-want // len(ids))
+        text = codec.decode((ids * reps)[:want])
+        got = len(codec.encode(text))
+        if got == n:
+            break
+        want = max(1, want + n - got)
+    return text
+
+
+def measure(model_dir: str, context: int, k: int, drafter: str = "lookup", decode: int = 16, threads: int = 2,
+            text: str = "", calibration: dict | None = None) -> dict:
+    """Peak RSS of: load → prefill a raw prompt of about `context` tokens → `decode` new tokens with chains of up
+    to `k` draft tokens (k = 0: plain decoding); and the prediction of memory.predict_peak for the same run.
+    `text`: the unit the prompt repeats; longer than k tokens, so prompt lookup finds spans of k tokens to draft."""
+    from memory import Calibration, Speculation, predict_peak
+
+    from .engine import Engine
+
+    after_imports = rss_bytes()
+    kind = drafter if k else "none"
+    rows = k + 1
+    decode += k  # the draft budget is capped by the tokens left to generate: leave room for k-token drafts
+    capacity = context + decode + rows + 8  # the KV buffer sized to the run: the model then predicts what is used
+    t0 = time.perf_counter()
+    engine = Engine(model_dir, drafter="none", threads=threads, context=capacity)
+    after_load = rss_bytes()
+    prompt = filler_text(engine.codec, context, text or DEFAULT_UNIT)
+    st = engine.generate(prompt, raw=True, max_tokens=decode, drafter=kind, draft_len=k if k else None).stats
+    widest = max(engine._call_ms, default=1)  # widths of the decode calls actually made
+    m = engine.manifest
+    cal = Calibration.from_dict((calibration or {}).get("memory"), "cpu")
+    spec = Speculation(kind, k, draft_graph=m.drafters[0].name if kind == "model" else None)
+    pred = predict_peak(m, spec, max(1, engine.target.cache.length), cal, min_call=engine.target.min_call,
+                        capacity=capacity)
+    return {"context": context, "k": k, "drafter": kind, "decode": decode, "capacity": capacity,
+            "prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens, "generated": st.generated,
+            "drafted": st.drafted, "accepted": st.accepted, "widest_call": widest, "min_call": engine.target.min_call,
+            "peak_rss_mb": peak_rss_bytes() / 2**20, "rss_after_imports_mb": after_imports / 2**20,
+            "rss_after_load_mb": after_load / 2**20,
+            "predicted_mb": pred.total_mb, "predicted_components_mb": pred.to_dict()["components_mb"],
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def main(argv=None) -> int:
+    args = json.loads((argv or sys.argv[1:])[0])
+    print(json.dumps(measure(**args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

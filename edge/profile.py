@@ -1,0 +1,482 @@
+"""edge-profile: measure this host for the memory planner and write the calibration JSON it loads.
+
+Steps (--steps, default all):
+  latency     one-call milliseconds vs rows S for the target and each drafter graph (median of --latency-reps,
+              at --latency-context tokens of context)
+  acceptance  per-depth acceptance of each drafter on the prompt file, drafting fixed chains of --accept-k tokens
+              so every depth is tried (model-free drafters that fill trees on this export are left to priors)
+  speed       tokens/s vs K (vs tree nodes where the export verifies trees exactly) and the planner's own choice,
+              loaded through the calibration just written; interleaved per prompt, medians over --reps
+  memory      peak RSS vs context, plain and speculative: one fresh process per point (edge.memprobe; its own
+              ru_maxrss, so points are isolated) beside the footprint model's prediction for the same run; plus
+              the planner's K and the longest K at --specmemo-context (extra memory of managed vs unmanaged)
+
+Writes OUT/calibration.json (sections memory, latency, acceptance: what `edge-chat --calibration` and the planner
+read; `--install` also puts it where edge.load finds it by itself), OUT/profile.json (every measurement) and PNG
+plots. Asserts nothing about speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .bench import DEFAULT_PROMPTS
+
+STEPS = ("latency", "acceptance", "speed", "memory")
+ENGINE_CONTEXT = 4096  # KV slots of the engine that measures latency and acceptance; longer prompts are skipped
+med = statistics.median
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="edge-profile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("prompts", nargs="?", default=str(DEFAULT_PROMPTS),
+                    help="JSONL file of {id, category, turns: [...]} (default: ../shared/workloads/public.jsonl)")
+    ap.add_argument("--model", metavar="DIR", help="exported model directory (default: embedded model)")
+    ap.add_argument("--out", default="bench-out/edge-profile", help="output directory (default bench-out/edge-profile)")
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--sizes", default="1,2,3,4,6,8,12,16,24,32,48,65", help="rows per call for the latency curve")
+    ap.add_argument("--latency-context", type=int, default=256)
+    ap.add_argument("--latency-reps", type=int, default=7)
+    ap.add_argument("--prompts-per-category", type=int, default=2, help="prompts taken from each category")
+    ap.add_argument("--max-prompt-tokens", type=int, default=768,
+                    help="skip prompts longer than this (default 768: keeps the run short)")
+    ap.add_argument("--accept-k", type=int, default=16, help="chain length drafted while measuring acceptance")
+    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer (acceptance and speed)")
+    ap.add_argument("--sweep-ks", default="1,2,4,8,16,64", help="draft lengths / tree node budgets swept")
+    ap.add_argument("--sweep-drafters", default="hybrid,lookup", help="drafters swept (comma-separated)")
+    ap.add_argument("--sweep-prompts", type=int, default=3, help="prompts in the speed sweep (one per category)")
+    ap.add_argument("--reps", type=int, default=2, help="repeats of the speed sweep")
+    ap.add_argument("--budget-mb", type=float, help="budget for the planner's choice (default: the host profile's)")
+    ap.add_argument("--contexts", default="256,1024,4096", help="contexts of the memory sweep")
+    ap.add_argument("--mem-ks", default="0,16", help="draft lengths of the memory sweep (0 = plain decoding)")
+    ap.add_argument("--mem-drafter", default="lookup", help="drafter of the memory sweep's speculative runs")
+    ap.add_argument("--specmemo-context", type=int, default=1024,
+                    help="context of the managed (planner's K) vs unmanaged (longest K) memory pair; 0 = skip")
+    ap.add_argument("--install", action="store_true",
+                    help="also copy calibration.json to $EDGESPEC_HOME/calibration/<model dir name>.json, which "
+                         "edge.load / edge-chat use when no --calibration is given")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    return ap
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def load_prompts(path: str, per_category: int) -> list[dict]:
+    """Items of a JSONL prompt file, `per_category` from each category (0 = all), in file order."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"prompt file {p} not found; pass a JSONL file of "
+                                '{"id": ..., "category": ..., "turns": ["..."]} as the first argument')
+    items, seen = [], {}
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            it = json.loads(line)
+            assert isinstance(it["turns"], list) and it["turns"] and all(isinstance(t, str) for t in it["turns"])
+        except (ValueError, KeyError, TypeError, AssertionError):
+            raise ValueError(f"{p}:{n}: expected {{'id', 'category', 'turns': [str, ...]}}") from None
+        c = it.get("category", "?")
+        if not per_category or seen.get(c, 0) < per_category:
+            seen[c] = seen.get(c, 0) + 1
+            items.append(it)
+    if not items:
+        raise ValueError(f"{p}: no prompts")
+    return items
+
+
+def round_robin(items: list[dict]) -> list[dict]:
+    """Items reordered one category at a time (the first of each category, then the second, ...)."""
+    by: dict[str, list] = {}
+    for it in items:
+        by.setdefault(it.get("category", "?"), []).append(it)
+    out, i = [], 0
+    while len(out) < len(items):
+        out += [v[i] for v in by.values() if i < len(v)]
+        i += 1
+    return out
+
+
+class _Progress:
+    def __init__(self, total: int, quiet: bool):
+        self.bar = None
+        if not quiet:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc="edge-profile", file=sys.stderr, unit="run")
+
+    def step(self, what: str, n: int = 1):
+        if self.bar:
+            self.bar.set_postfix_str(what, refresh=False)
+            self.bar.update(n)
+
+    def close(self):
+        if self.bar:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------------------------------- latency
+def call_latency(session, sizes: list[int], context: int, reps: int, prog=None) -> list[list[float]]:
+    """[[S, median ms], ...] of one call of S rows after `context` committed tokens (nothing is committed)."""
+    session.cache.trim(session.cache.length)
+    ids = [(7 * i) % 97 + 3 for i in range(context)]
+    session.prefill(ids)
+    out = []
+    for s in sizes:
+        if session.cache.room() < s:
+            break
+        toks = [(5 * i) % 89 + 3 for i in range(s)]
+        session.forward(toks)  # warm-up: the arena grows to this width once
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            session.forward(toks)
+            ts.append(1000 * (time.perf_counter() - t))
+        out.append([s, round(med(ts), 3)])
+        if prog:
+            prog.step(f"latency S={s}")
+    session.cache.trim(session.cache.length)
+    return out
+
+
+def measure_latency(engine, sizes, context, reps, prog) -> dict:
+    from .runner import GraphSession
+
+    m = engine.manifest
+    sizes = [s for s in sizes if s + context <= engine.context]
+    lat = {"target": call_latency(engine.target, sizes, context, reps, prog), "drafters": {}}
+    for g in m.drafters:
+        sess = GraphSession(str(engine.model_dir / g.file), m, g, engine.context, engine.threads, engine.providers)
+        lat["drafters"][g.name] = call_latency(sess, sizes, context, reps, prog)
+        del sess
+    return lat
+
+
+# ---------------------------------------------------------------------------------------------- acceptance
+def chain_kinds(engine) -> list[str]:
+    """Drafters that verify chains on this export (so the engine records their per-depth acceptance)."""
+    kinds = ["lookup"] + (["model"] if engine.manifest.drafters else [])
+    if engine.target.topk and not engine.target.tree_exact:
+        kinds += ["recycling", "hybrid"]
+    return kinds
+
+
+def measure_acceptance(engine, items, k: int, max_tokens: int, prog) -> tuple[dict, dict]:
+    """{drafter key: AcceptanceStats dict} from fixed-K chains over the prompts' turns, and per-kind counters.
+    The moving average is made a running mean here (beta 1e-3) and handed to the planner with beta 0.1 again.
+    draft_rate (steps with a draft at all) is not in the engine's statistics: it is estimated from
+    accepted/steps = draft_rate · E[accepted | a draft of K]."""
+    from memory.acceptance import AcceptanceStats
+    from memory.planner import DEFAULT_PRIORS
+
+    from .engine import EngineError
+
+    out, counters = {}, {}
+    kinds = chain_kinds(engine)
+    acc = {kind: {"steps": 0, "accepted": 0, "drafted": 0, "overhead": []} for kind in kinds}
+    for kind in kinds:
+        engine.acceptance[kind] = AcceptanceStats(DEFAULT_PRIORS.get(kind, (0.3, 1.0))[0], beta=1e-3,
+                                                  prior_weight=1.0)
+    for it in items:
+        for kind in kinds:  # the same prompt for every drafter: prefilled once, then re-used from the KV cache
+            chat, c = engine.chat(), acc[kind]
+            for turn in it["turns"]:
+                try:
+                    r = chat.ask(turn, max_tokens=max_tokens, drafter=kind, draft_len=k)
+                except EngineError:  # a prompt longer than the context: skipped
+                    break
+                c["steps"] += r.stats.steps
+                c["accepted"] += r.stats.accepted
+                c["drafted"] += r.stats.drafted
+                c["overhead"].append(r.stats.overhead_ms_per_step)
+            if prog:
+                prog.step(f"acceptance {kind}")
+    for kind in kinds:
+        st, c = engine.acceptance[kind], acc[kind]
+        given = st.expected_accepted(k)  # draft_rate is 1 in the engine's own statistics
+        st.draft_rate = min(1.0, c["accepted"] / c["steps"] / given) if c["steps"] and given > 0 else 0.0
+        st.beta = 0.1
+        out[kind] = st.to_dict()
+        counters[kind] = {"steps": c["steps"], "drafted": c["drafted"], "accepted": c["accepted"],
+                          "accepted_per_step": round(c["accepted"] / max(c["steps"], 1), 3),
+                          "a_depth_1_4": [round(st.accept_prob(d), 3) for d in range(1, 5)],
+                          "draft_rate": round(st.draft_rate, 3),
+                          "overhead_ms_per_step": round(med(c["overhead"]), 3) if c["overhead"] else None}
+    return out, counters
+
+
+# ---------------------------------------------------------------------------------------------- speed
+def speed_sweep(engine, items, configs: list[tuple[str, str | None, int | None]], reps: int, max_tokens: int,
+                plan0, prog) -> dict:
+    """Decode tokens/s of each (label, drafter, draft_len) config, interleaved: every prompt runs every config in
+    a rotated order, `reps` times. Label "plan" runs the engine's planned drafter with adaptive K (re-planned from
+    `plan0` each time, so runs are alike). → {label: {"tok_s": median, "runs": [...]}}"""
+    runs: dict[str, list[float]] = {c[0]: [] for c in configs}
+    first_item = items[0]["turns"][0]
+    engine.generate(first_item, max_tokens=8)  # warm-up
+    for rep in range(reps):
+        for i, it in enumerate(items):
+            j = (i + rep) % len(configs)
+            for label, drafter, k in configs[j:] + configs[:j]:  # the prompt is prefilled once, then re-used
+                if label == "plan":
+                    engine.plan = plan0
+                r = engine.generate(it["turns"][0], max_tokens=max_tokens, drafter=drafter, draft_len=k)
+                runs[label].append(r.stats.decode_tok_s)
+                if prog:
+                    prog.step(f"speed {label}")
+    return {label: {"tok_s": round(med(v), 2), "runs": [round(x, 2) for x in v]} for label, v in runs.items()}
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def memory_point(model_dir, context: int, k: int, drafter: str, threads: int, text: str,
+                 calibration: dict | None = None, timeout: float = 600) -> dict:
+    """One `edge.memprobe` run in a fresh process → its JSON (measured peak RSS and the model's prediction)."""
+    args = dict(model_dir=str(model_dir), context=context, k=k, drafter=drafter, threads=threads, text=text,
+                calibration=calibration)
+    r = subprocess.run([sys.executable, "-m", "edge.memprobe", json.dumps(args)], capture_output=True, text=True,
+                       timeout=timeout, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    if r.returncode != 0:
+        raise RuntimeError(f"memory probe at context {context}, K={k} failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def fit_baseline(points: list[dict], base_mb: float) -> float:
+    """The baseline (MB) that makes the footprint model an upper bound of every measured point: a budget is a
+    ceiling, so the model may overshoot a little but should not undershoot."""
+    return round(base_mb + max(p["peak_rss_mb"] - p["predicted_mb"] for p in points), 1)
+
+
+def validation_table(points: list[dict]) -> str:
+    lines = ["| context | K (widest call) | drafter | measured peak MB | predicted MB | error |", "|---|---|---|---|---|---|"]
+    for p in sorted(points, key=lambda p: (p["context"], p["k"])):
+        err = 100 * (p["predicted_mb"] / p["peak_rss_mb"] - 1)
+        lines.append(f"| {p['context']} | {p['k']} ({p['widest_call']}) | {p['drafter']} | {p['peak_rss_mb']:.1f} | "
+                     f"{p['predicted_mb']:.1f} | {err:+.1f}% |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- plots
+def write_plots(out: Path, doc: dict) -> list[str]:
+    from .pngplot import plot_png
+
+    made = []
+    mem = doc.get("memory", {}).get("points", [])
+    if mem:
+        series: dict[str, list] = {}
+        for p in mem:
+            tag = "plain" if p["k"] == 0 else f"K={p['k']}"
+            series.setdefault(f"{tag} measured", []).append((p["context"], p["peak_rss_mb"]))
+            series.setdefault(f"{tag} predicted", []).append((p["context"], p["predicted_mb"]))
+        series = {k: v for k, v in series.items() if len({x for x, _ in v}) > 1}
+        if series:
+            made.append(plot_png(out / "memory_vs_context.png", series, title="PEAK RSS VS CONTEXT",
+                                 xlabel="CONTEXT TOKENS", ylabel="MB", logx=True).name)
+        made.append(plot_png(out / "predicted_vs_measured.png",
+                             {"~points": [(p["peak_rss_mb"], p["predicted_mb"]) for p in mem]},
+                             title="FOOTPRINT MODEL: PREDICTED VS MEASURED PEAK RSS", xlabel="MEASURED MB",
+                             ylabel="PREDICTED MB", diagonal=True).name)
+    sp = doc.get("speed")
+    if sp:
+        for kind, fname, xl in (("chain", "tokens_per_s_vs_k.png", "DRAFT LENGTH K"),
+                                ("tree", "tokens_per_s_vs_tree_nodes.png", "TREE NODES N")):
+            series = {}
+            for label, v in sp["results"].items():
+                if label.startswith(f"{kind}:"):
+                    d, k = label.split(":")[1:]
+                    series.setdefault(d, []).append((int(k), v["tok_s"]))
+            if not series:
+                continue
+            xs = sorted({x for s in series.values() for x, _ in s})
+            series["plain"] = [(x, sp["results"]["none"]["tok_s"]) for x in (xs[0], xs[-1])]
+            pl = sp["plan"]
+            series[f"~planner {pl['drafter']} K<={pl['nodes']}"] = [(max(pl["nodes"], 1), sp["results"]["plan"]["tok_s"])]
+            made.append(plot_png(out / fname, series, title=f"DECODE TOKENS/S VS {xl}", xlabel=xl,
+                                 ylabel="TOKENS/S", logx=True).name)
+    return made
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    a = _parser().parse_args(argv)
+    steps = [s.strip() for s in a.steps.split(",") if s.strip()]
+    bad = sorted(set(steps) - set(STEPS))
+    if bad:
+        print(f"edge-profile: error: unknown step(s) {bad}; choose among {', '.join(STEPS)}", file=sys.stderr)
+        return 2
+    try:
+        items = load_prompts(a.prompts, a.prompts_per_category)
+    except (OSError, ValueError) as e:
+        print(f"edge-profile: error: {e}", file=sys.stderr)
+        return 2
+    import edge
+    from edge import EngineError, ModelDirError
+
+    from memory.footprint import DEFAULT_CALIBRATIONS
+
+    from .planning import default_calibration_path, load_calibration, profile_for
+
+    t_start = time.time()
+    model_dir = Path(a.model) if a.model else edge.ensure_default_model()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        engine = edge.Engine(model_dir, drafter="none", threads=a.threads,
+                             context=max(a.latency_context + max(_ints(a.sizes)) + 8, ENGINE_CONTEXT))
+    except (EngineError, ModelDirError, ValueError) as e:
+        print(f"edge-profile: error: {e}", file=sys.stderr)
+        return 2
+    m = engine.manifest
+    n_all = len(items)
+    items = [it for it in items if len(engine.encode(it["turns"][0])) <= a.max_prompt_tokens]
+    if not items:
+        print(f"edge-profile: error: no prompt in {a.prompts} fits --max-prompt-tokens {a.max_prompt_tokens}",
+              file=sys.stderr)
+        return 2
+    sizes, sweep_ks, contexts, mem_ks = _ints(a.sizes), _ints(a.sweep_ks), _ints(a.contexts), _ints(a.mem_ks)
+    contexts = [c for c in contexts if c + max(mem_ks + [0]) * 2 + 40 <= m.target.max_len]
+    sweep_items = round_robin(items)[: a.sweep_prompts]
+    sweep_drafters = [d for d in a.sweep_drafters.split(",") if d.strip()]
+    n_configs = 2 + len(sweep_drafters) * len(sweep_ks)
+    total = (("latency" in steps) * len(sizes) * (1 + len(m.drafters))
+             + ("acceptance" in steps) * len(items) * len(chain_kinds(engine))
+             + ("speed" in steps) * a.reps * len(sweep_items) * n_configs
+             + ("memory" in steps) * (len(contexts) * len(mem_ks) + (2 if a.specmemo_context else 0)))
+    prog = _Progress(total, a.quiet)
+    import onnxruntime as ort
+
+    host = {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "onnxruntime": ort.__version__, "threads": a.threads,
+            "load_average_start": [round(x, 2) for x in os.getloadavg()]}
+    cal: dict = {"device_class": "cpu", "host": host,
+                 "source": f"edge-profile on {platform.node()} ({host['processor']}, {host['cores']} cores, "
+                           f"onnxruntime {ort.__version__}, {a.threads} threads), model {m.name}, "
+                           f"{time.strftime('%Y-%m-%d %H:%M')}"}
+    doc: dict = {"model": m.name, "model_dir": str(model_dir), "host": host, "settings": vars(a),
+                 "prompts": {"file": a.prompts, "used": [it.get("id") for it in items],
+                             "skipped_too_long": n_all - len(items)}}
+    cal_path = out / "calibration.json"
+    if not {"latency", "acceptance"} & set(steps) and cal_path.is_file():  # e.g. --steps speed: re-use the last
+        cal = {k: v for k, v in load_calibration(cal_path).items() if k != "path"}
+    text = " ".join(t for it in items for t in it["turns"])
+    try:
+        timer = doc["step_s"] = {}
+        t = time.time()
+        if "latency" in steps:
+            doc["latency"] = cal["latency"] = measure_latency(engine, sizes, a.latency_context, a.latency_reps, prog)
+        timer["latency"], t = round(time.time() - t, 1), time.time()
+        if "acceptance" in steps:
+            acc, counters = measure_acceptance(engine, items, a.accept_k, a.max_tokens, prog)
+            cal["acceptance"] = acc
+            doc["acceptance"] = counters
+            if "latency" in cal:
+                oh = [c["overhead_ms_per_step"] for k, c in counters.items() if k != "model" and c["overhead_ms_per_step"]]
+                cal["latency"]["overhead_ms"] = round(med(oh), 3) if oh else 0.0
+        timer["acceptance"], t = round(time.time() - t, 1), time.time()
+        del engine
+        cal_path.write_text(json.dumps(cal, indent=1))
+        plan0 = None
+        if "speed" in steps or ("memory" in steps and a.specmemo_context):
+            # the planner's choice exactly as edge-chat --calibration makes it
+            budget = a.budget_mb or profile_for(None).budget_mb
+            eng = edge.load(model_dir, threads=a.threads, budget_mb=budget, calibration=cal_path, progress=False)
+            plan0 = eng.plan
+            doc["plan"] = plan0.to_dict()
+            if "speed" in steps:
+                chains = not eng.target.tree_exact
+                configs = [("none", "none", None), ("plan", None, None)]
+                for d in sweep_drafters:
+                    kind = "chain" if chains or d in ("lookup", "model") else "tree"
+                    configs += [(f"{kind}:{d}:{k}", d, k) for k in sweep_ks]
+                res = speed_sweep(eng, sweep_items, configs, a.reps, a.max_tokens, plan0, prog)
+                best = max((v["tok_s"], k) for k, v in res.items() if k != "plan")
+                doc["speed"] = {"results": res, "plan": {"drafter": plan0.drafter, "nodes": plan0.nodes},
+                                "best_swept": {"config": best[1], "tok_s": best[0]},
+                                "plan_vs_best": round(res["plan"]["tok_s"] / best[0], 3) if best[0] else None,
+                                "trees_verified": not chains}
+            del eng
+        timer["speed"], t = round(time.time() - t, 1), time.time()
+        if "memory" in steps:
+            mcal = cal.get("memory")
+            pts = []
+            for c in contexts:
+                for k in mem_ks:
+                    pts.append(memory_point(model_dir, c, k, a.mem_drafter, a.threads, text, mcal))
+                    prog.step(f"memory ctx={c} K={k}")
+            doc["memory"] = {"points": pts, "table": validation_table(pts)}
+            if a.specmemo_context and plan0 is not None:
+                c = a.specmemo_context
+                top = max(sweep_ks + mem_ks)
+                d = plan0.drafter if plan0.drafter not in ("none", "model") else a.mem_drafter
+                pair = {str(k): memory_point(model_dir, c, k, d, a.threads, text, mcal)
+                        for k in (0, max(plan0.nodes, 1), top)}
+                prog.step("memory specmemo", 2)
+                doc["memory"]["specmemo_points"] = pair
+                doc["specmemo"] = specmemo_pair(pair, max(plan0.nodes, 1), top, doc.get("speed"))
+            base = DEFAULT_CALIBRATIONS["cpu"].baseline_mb
+            cal["memory"] = {"baseline_mb": fit_baseline(pts, base)}
+            doc["memory"]["fitted_baseline_mb"] = cal["memory"]["baseline_mb"]
+            cal_path.write_text(json.dumps(cal, indent=1))
+        timer["memory"] = round(time.time() - t, 1)
+    except KeyboardInterrupt:
+        print("edge-profile: interrupted; writing what was measured", file=sys.stderr)
+    finally:
+        prog.close()
+    host["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    doc["wall_s"] = round(time.time() - t_start, 1)
+    doc["plots"] = write_plots(out, doc)
+    (out / "profile.json").write_text(json.dumps(doc, indent=1))
+    if a.install:
+        dest = default_calibration_path(model_dir)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / "calibration.json", dest)
+        doc["installed"] = str(dest)
+    summary = {k: doc[k] for k in ("plan", "specmemo", "wall_s", "step_s", "plots", "installed") if k in doc}
+    if "speed" in doc:
+        summary["speed"] = {k: v for k, v in doc["speed"].items() if k != "results"}
+    if "acceptance" in doc:
+        summary["acceptance"] = doc["acceptance"]
+    print(json.dumps(summary, indent=1))
+    if "memory" in doc:
+        print(doc["memory"]["table"])
+    print(f"wrote {out / 'calibration.json'} and {out / 'profile.json'}", file=sys.stderr)
+    return 0
+
+
+def specmemo_pair(points: dict, k_plan: int, k_top: int, speed: dict | None) -> dict:
+    """SpecMemo's pair: speculation's extra memory over plain (as % of plain peak) at the planner's K vs the
+    unmanaged longest K, and the share of the unmanaged run's throughput the planner keeps."""
+    plain = points["0"]["peak_rss_mb"]
+    extra = {k: points[str(k)]["peak_rss_mb"] - plain for k in (k_plan, k_top)}
+    d = {"context": points["0"]["context"], "plain_peak_mb": round(plain, 1),
+         "planner_k": k_plan, "unmanaged_k": k_top,
+         "planner_extra_mb": round(extra[k_plan], 1), "unmanaged_extra_mb": round(extra[k_top], 1),
+         "planner_extra_pct_of_plain": round(100 * extra[k_plan] / plain, 2),
+         "unmanaged_extra_pct_of_plain": round(100 * extra[k_top] / plain, 2)}
+    if extra[k_top] > 0:
+        d["less_speculative_memory_pct"] = round(100 * (1 - extra[k_plan] / extra[k_top]), 1)
+    if speed:
+        res = speed["results"]
+        top = next((v["tok_s"] for lab, v in res.items() if lab.endswith(f":{k_top}")
+                    and lab.split(":")[1] == speed["plan"]["drafter"]), None)
+        if top is None:
+            top = max((v["tok_s"] for lab, v in res.items() if lab.endswith(f":{k_top}")), default=None)
+        if top:
+            d["throughput_kept_pct"] = round(100 * res["plan"]["tok_s"] / top, 1)
+    return d
+
+
+if __name__ == "__main__":
+    sys.exit(main())
