@@ -271,3 +271,21 @@ def test_best_chain_length_against_brute_force():
                 assert got == int(np.argmax(rates)), (a, draft_ms, min_call)
     assert best_chain_length(AcceptanceStats(0.0), curve, 0.0, 12, 1) == 0  # nothing accepted: do not draft
     assert best_chain_length(AcceptanceStats(0.97), curve, 0.0, 12, 1) >= 8  # near-certain: long chains
+
+
+# ------------------------------------------------------------------------------------------- calibration
+def test_a_profiles_calibration_is_what_the_planner_uses():
+    """edge-profile's JSON reaches the planner through the profile: measured acceptance changes the choice, the
+    memory section shifts every predicted peak, and an explicit calibration= wins over the profile's."""
+    flat = {"target": [[1, 10.0], [64, 10.5]], "lookup_ms": 0.01, "recycling_ms": 0.01}
+    sure = {k: AcceptanceStats(0.95).to_dict() for k in ("lookup", "recycling", "hybrid", "model")}
+    never = {k: AcceptanceStats(0.0, draft_rate=0.0).to_dict() for k in ("lookup", "recycling", "hybrid", "model")}
+    prof = lambda cal: SimpleNamespace(name="host", budget_mb=4000, device_class="cpu", calibration=cal)  # noqa: E731
+    hi = plan(prof({"latency": flat, "acceptance": sure}), M, 1024, drafters=ALL)
+    lo = plan(prof({"latency": flat, "acceptance": never}), M, 1024, drafters=ALL)
+    assert hi.drafter != "none" and hi.nodes >= 8 and lo.drafter == "none"
+    heavy = plan(prof({"latency": flat, "acceptance": never, "memory": {"baseline_mb": 185.0}}), M, 1024,
+                 drafters=ALL)
+    assert heavy.peak_mb - lo.peak_mb == pytest.approx(100.0)
+    assert plan(prof({"acceptance": never}), M, 1024, drafters=ALL,
+                calibration={"latency": flat, "acceptance": sure}).nodes == hi.nodes

@@ -1,0 +1,202 @@
+"""edge-profile and the calibration it writes, on the session's tiny export: the CLI end to end with tiny settings
+(valid JSON, PNGs, one memory process per point), the planner reading a calibration and choosing differently
+because of it, re-planning that shrinks K as a chat's context grows, /stats, clear errors, and the PNG writer."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+
+import edge
+from edge import EngineError
+from edge.planning import CalibrationError, load_calibration, make_plan, profile_for
+from edge.pngplot import plot_png
+from edge.profile import fit_baseline, specmemo_pair, validation_table
+from memory import AcceptanceStats, predict_peak
+
+PROMPTS = [{"id": "a", "category": "qa", "turns": ["the quick brown fox jumps over the lazy dog"]},
+           {"id": "b", "category": "code", "turns": ["def add(a, b):\n    return a + b\n"]}]
+
+
+def _run(args, stdin=None, timeout=240):
+    return subprocess.run([sys.executable, "-m", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(exported_llama):
+    return exported_llama[0]
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    p = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    p.write_text("".join(json.dumps(it) + "\n" for it in PROMPTS))
+    return p
+
+
+def calibration(tmp_path, accept: float, name: str = "cal.json", baseline_mb: float | None = None):
+    """A calibration whose verify calls cost the same at any width: every drafter accepted at rate `accept`."""
+    st = AcceptanceStats(accept, draft_rate=1.0).to_dict()
+    cal = {"device_class": "cpu", "source": "test",
+           "latency": {"target": [[1, 10.0], [128, 10.5]], "lookup_ms": 0.01, "recycling_ms": 0.01},
+           "acceptance": {k: st for k in ("lookup", "recycling", "hybrid", "model")}}
+    if baseline_mb is not None:
+        cal["memory"] = {"baseline_mb": baseline_mb}
+    p = tmp_path / name
+    p.write_text(json.dumps(cal))
+    return p
+
+
+# ------------------------------------------------------------------------------------------- edge-profile
+def test_edge_profile_end_to_end_writes_calibration_json_and_pngs(tiny_dir, prompts, tmp_path):
+    out = tmp_path / "prof"
+    r = _run(["edge.profile", str(prompts), "--model", str(tiny_dir), "--out", str(out), "--sizes", "1,2,4",
+              "--latency-reps", "1", "--latency-context", "16", "--prompts-per-category", "1", "--max-tokens", "8",
+              "--accept-k", "4", "--sweep-ks", "1,4", "--sweep-drafters", "lookup", "--sweep-prompts", "1",
+              "--reps", "1", "--contexts", "24,96", "--mem-ks", "0,4", "--specmemo-context", "24", "--quiet"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    cal = load_calibration(out / "calibration.json")  # valid as the planner reads it
+    assert {"latency", "acceptance", "memory", "source"} <= set(cal)
+    assert [s for s, _ in cal["latency"]["target"]] == [1, 2, 4] and all(ms > 0 for _, ms in cal["latency"]["target"])
+    assert "lookup" in cal["acceptance"] and "model" in cal["acceptance"]
+    doc = json.loads((out / "profile.json").read_text())
+    pts = doc["memory"]["points"]
+    assert [(p["context"], p["k"]) for p in pts] == [(24, 0), (24, 4), (96, 0), (96, 4)]
+    for p in pts:  # one process per point: each measured its own peak next to the model's prediction
+        assert 10 < p["peak_rss_mb"] < 2000 and p["predicted_mb"] > 0 and p["prompt_tokens"] >= p["context"] - 8
+    assert cal["memory"]["baseline_mb"] == fit_baseline(pts, 85.0)
+    assert set(doc["speed"]["results"]) == {"none", "plan", "chain:lookup:1", "chain:lookup:4"}
+    assert doc["specmemo"]["planner_k"] >= 1 and "plain_peak_mb" in doc["specmemo"]
+    for name in ("memory_vs_context.png", "predicted_vs_measured.png", "tokens_per_s_vs_k.png"):
+        assert name in doc["plots"] and (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| context |" in r.stdout
+
+
+def test_edge_profile_missing_prompt_file_is_one_clear_line(tmp_path):
+    r = _run(["edge.profile", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "nope.jsonl not found" in r.stderr
+
+
+def test_pure_helpers():
+    pts = [{"context": 256, "k": 0, "widest_call": 2, "drafter": "none", "peak_rss_mb": 250.0, "predicted_mb": 240.0},
+           {"context": 256, "k": 16, "widest_call": 17, "drafter": "lookup", "peak_rss_mb": 251.0,
+            "predicted_mb": 255.0}]
+    assert fit_baseline(pts, 85.0) == 95.0  # the model then bounds every point from above
+    assert "| 256 | 16 (17) | lookup | 251.0 | 255.0 | +1.6% |" in validation_table(pts)
+    pair = {"0": {"context": 256, "peak_rss_mb": 200.0}, "4": {"peak_rss_mb": 202.0}, "64": {"peak_rss_mb": 220.0}}
+    speed = {"plan": {"drafter": "lookup"}, "results": {"plan": {"tok_s": 30.0}, "chain:lookup:64": {"tok_s": 25.0}}}
+    d = specmemo_pair(pair, 4, 64, speed)
+    assert d["planner_extra_pct_of_plain"] == 1.0 and d["unmanaged_extra_pct_of_plain"] == 10.0
+    assert d["less_speculative_memory_pct"] == 90.0 and d["throughput_kept_pct"] == 120.0
+
+
+# ------------------------------------------------------------------------------------------- the planner reads it
+def test_the_planner_loads_the_calibration_and_its_choice_follows_it(tiny_dir, tmp_path):
+    good = edge.load(tiny_dir, context=256, calibration=calibration(tmp_path, 0.95, "hi.json"))
+    assert good.plan.drafter != "none" and good.plan.nodes >= 8, good.plan.reason
+    assert "test" in good.profile.calibration["source"]
+    bad = edge.load(tiny_dir, context=256, calibration=calibration(tmp_path, 0.0, "lo.json"))
+    assert bad.plan.drafter == "none" and bad.default_drafter == "none"
+    assert bad.generate("the quick brown fox", max_tokens=6).stats.drafter == "none"
+    # the memory section too: a larger baseline raises every predicted peak by exactly the difference
+    m, prof = good.manifest, profile_for(None, calibration=calibration(tmp_path, 0.95, "b.json", 185.0))
+    base = make_plan(m, good.profile, 64, 1e5, capacity=256)
+    more = make_plan(m, prof, 64, 1e5, capacity=256)
+    assert more.plain_peak_mb - base.plain_peak_mb == pytest.approx(185.0 - 85.0)
+
+
+def test_plan_json_and_auto_loaded_calibration(tiny_dir, tmp_path, monkeypatch, capsys):
+    from edge.cli import main
+    from edge.planning import default_calibration_path
+
+    hi = calibration(tmp_path, 0.95, "hi.json")
+    assert main(["--model", str(tiny_dir), "--plan", "--json", "--context", "64", "--budget-mb", "4096",
+                 "--calibration", str(hi)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["calibration"] == "test" and rep["plan"]["drafter"] != "none"
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    dest = default_calibration_path(tiny_dir)
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(calibration(tmp_path, 0.0, "lo.json").read_bytes())  # what edge-profile --install does
+    assert edge.load(tiny_dir, context=256, budget_mb=4096).plan.drafter == "none"
+
+
+def test_calibration_errors_are_clear(tiny_dir, tmp_path):
+    with pytest.raises(CalibrationError, match="cannot read it.*edge-profile"):
+        load_calibration(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text(json.dumps({"memroy": {}}))
+    with pytest.raises(CalibrationError, match=r"unknown section\(s\) \['memroy'\]"):
+        load_calibration(tmp_path / "bad.json")
+    (tmp_path / "neg.json").write_text(json.dumps({"memory": {"baseline_mb": -1}}))
+    with pytest.raises(CalibrationError, match="baseline_mb must be >= 0"):
+        load_calibration(tmp_path / "neg.json")
+    with pytest.raises(EngineError, match="missing.json"):
+        edge.load(tiny_dir, context=256, calibration=tmp_path / "missing.json")
+
+
+# ------------------------------------------------------------------------------------------- re-planning in a chat
+def test_replanning_shrinks_k_as_the_chat_context_grows(tiny_dir, tmp_path):
+    cal = calibration(tmp_path, 0.95)
+    e = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=1e5)
+    # a budget that fits the unconstrained plan at the engine's first planning context (half the window) and plain
+    # decoding at context 170, but not the first plan there: memory, not KV room, makes it shrink
+    kw = dict(min_call=e.target.min_call, capacity=256, tree_exact=e.target.tree_exact)
+    first, later = (make_plan(e.manifest, e.profile, c, 1e5, **kw) for c in (128, 170))
+    budget = max(first.peak_mb, later.plain_peak_mb + 0.05)
+    assert predict_peak(e.manifest, first, 170, min_call=e.target.min_call, capacity=256).total_mb > budget
+    e = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=budget)
+    assert e.plan.nodes == first.nodes
+    sizes = [e.plan.nodes]
+    chat = e.chat()
+    while e.plan.context < 165:  # short turns: the context grows a little each time
+        chat.ask("the quick brown fox", max_tokens=16)
+        sizes.append(e.plan.nodes)
+        assert e.plan.peak_mb <= budget
+    assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0], sizes
+
+
+def test_stats_shows_plan_predicted_and_measured_memory(tiny_dir):
+    r = _run(["edge.cli", "--model", str(tiny_dir), "--max-tokens", "6", "--context", "256", "--budget-mb", "4096"],
+             stdin="hello there\n/stats\n/quit\n")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stderr[r.stderr.index("{"): r.stderr.rindex("}") + 1])
+    mem = info["memory_mb"]
+    assert mem["budget"] == 4096 and 0 < mem["predicted_plain_peak"] <= mem["predicted_peak"]
+    assert mem["measured_peak_rss"] >= mem["measured_rss_now"] > 10
+    assert info["plan"]["drafter"] and info["context_tokens"] > 0
+
+
+# ------------------------------------------------------------------------------------------- the PNG writer
+def _decode_png(data: bytes) -> np.ndarray:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos: pos + 8])
+        body = data[pos + 8: pos + 8 + n]
+        assert struct.unpack(">I", data[pos + 8 + n: pos + 12 + n])[0] == zlib.crc32(kind + body)
+        chunks[kind] = body
+        pos += 12 + n
+    w, h, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][:10])
+    assert (depth, color) == (8, 2) and b"IEND" in chunks
+    raw = np.frombuffer(zlib.decompress(chunks[b"IDAT"]), np.uint8).reshape(h, 1 + 3 * w)
+    assert not raw[:, 0].any()  # filter 0 on every row
+    return raw[:, 1:].reshape(h, w, 3)
+
+
+def test_png_plot_is_a_valid_image_with_the_series_drawn(tmp_path):
+    p = plot_png(tmp_path / "x.png", {"a": [(1, 1.0), (64, 3.0)], "~b": [(8, 2.0)]}, title="T", xlabel="K",
+                 ylabel="MB", size=(200, 120), logx=True)
+    img = _decode_png(p.read_bytes())
+    assert img.shape == (120, 200, 3)
+    colours = {tuple(c) for c in img.reshape(-1, 3)}
+    assert (31, 119, 180) in colours and (214, 39, 40) in colours  # both series' palette colours appear
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot_png(tmp_path / "y.png", {})
