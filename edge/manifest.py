@@ -11,7 +11,10 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+import numpy as np
+
 FORMAT_VERSION = 1
+FAST_HASH_BYTES = 16 << 20  # verify="fast" hashes files up to this size
 MANIFEST_NAME = "edge_model.json"
 
 
@@ -112,39 +115,86 @@ def _known(cls, d: dict) -> dict:
     return {k: v for k, v in d.items() if k in names}
 
 
+def reexport_command(model_dir: str | os.PathLike, source: str | None = None) -> str:
+    """The command that rebuilds `model_dir`: the embedded default's own flag, else its recorded source."""
+    model_dir = Path(model_dir)
+    try:
+        from . import default_model_dir
+
+        if model_dir.resolve() == default_model_dir().resolve():
+            return "edge-export --default --force"
+    except ImportError:  # pragma: no cover - edge imported partially
+        pass
+    return f"edge-export {source or 'CHECKPOINT'} -o {model_dir}"
+
+
 def load_manifest(model_dir: str | os.PathLike, verify: str = "size") -> Manifest:
-    """Read and check `edge_model.json`. verify: "none" | "size" (every file present with its size) | "sha256"."""
+    """Read and check `edge_model.json`. verify: "none" | "size" (every file present with its size) | "fast" (size,
+    plus sha256 of every file up to 16 MB: graph protos, tokenizer, id maps) | "sha256" (every file)."""
     model_dir = Path(model_dir)
     path = model_dir / MANIFEST_NAME
     if not model_dir.is_dir():
         raise ModelDirError(f"{model_dir}: no such model directory (export one with: edge-export CHECKPOINT -o {model_dir})")
     if not path.is_file():
         raise ModelDirError(f"{path}: missing — {model_dir} is not a complete edgespec export "
-                            f"(an interrupted export never writes it); re-run edge-export into it")
+                            f"(an interrupted export never writes it); re-run edge-export into it: "
+                            f"{reexport_command(model_dir)}")
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise ModelDirError(f"{path}: unreadable ({e}); re-run edge-export") from e
-    version = raw.get("format_version")
+        raise ModelDirError(f"{path}: unreadable ({e}); re-run edge-export: {reexport_command(model_dir)}") from e
+    src = raw.get("source", {}).get("path") if isinstance(raw, dict) and isinstance(raw.get("source"), dict) else None
+    fix = f"re-run edge-export: {reexport_command(model_dir, src)}"
+    version = raw.get("format_version") if isinstance(raw, dict) else None
     if version != FORMAT_VERSION:
         newer = isinstance(version, int) and version > FORMAT_VERSION
         raise ModelDirError(
             f"{path}: manifest format {version} but this edgespec reads format {FORMAT_VERSION}; "
-            + ("upgrade edgespec (pip install -U edgespec)" if newer else "re-export the model with this edgespec")
+            + ("upgrade edgespec (pip install -U edgespec)" if newer else f"re-export the model with this edgespec: "
+                                                                           f"{reexport_command(model_dir, src)}")
         )
     try:
         m = Manifest.from_dict(raw)
     except (TypeError, KeyError) as e:
-        raise ModelDirError(f"{path}: malformed manifest ({e}); re-run edge-export") from e
+        raise ModelDirError(f"{path}: malformed manifest ({e}); {fix}") from e
     if verify != "none":
         for f in m.files:
             p = model_dir / f.path
             if not p.is_file():
-                raise ModelDirError(f"{p}: listed in the manifest but missing; re-run edge-export")
+                raise ModelDirError(f"{p}: listed in the manifest but missing; {fix}")
             if p.stat().st_size != f.bytes:
                 raise ModelDirError(f"{p}: {p.stat().st_size} bytes, manifest says {f.bytes} (truncated or replaced); "
-                                    "re-run edge-export")
-            if verify == "sha256" and sha256_file(p) != f.sha256:
-                raise ModelDirError(f"{p}: sha256 does not match the manifest (file changed since export); "
-                                    "re-run edge-export")
+                                    f"{fix}")
+            hash_it = verify == "sha256" or (verify == "fast" and f.bytes <= FAST_HASH_BYTES)
+            if hash_it and sha256_file(p) != f.sha256:
+                raise ModelDirError(f"{p}: sha256 does not match the manifest (file changed since export); {fix}")
     return m
+
+
+def check_drafter(model_dir: str | os.PathLike, m: Manifest, g: GraphEntry) -> None:
+    """A drafter graph belongs to this target: its vocabulary and id map (trimmed logit index → target token id)
+    fit the target's vocabulary. Checked at load time, before the drafter's session is ever built."""
+    model_dir = Path(model_dir)
+    fix = f"re-run edge-export: {reexport_command(model_dir, m.source.get('path'))}"
+    vocab = m.arch.get("vocab")
+    if not 0 < g.vocab <= vocab:
+        raise ModelDirError(f"{model_dir / g.file}: drafter {g.name!r} has a {g.vocab}-token vocabulary but the target "
+                            f"{vocab}; it was built for another tokenizer — {fix}")
+    if g.id_map is None:
+        if g.vocab != vocab:
+            raise ModelDirError(f"{model_dir / g.file}: drafter {g.name!r} has {g.vocab} logits, no id map, and the "
+                                f"target {vocab} tokens; it was built for another vocabulary — {fix}")
+        return
+    p = model_dir / g.id_map
+    try:
+        ids = np.load(p, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ModelDirError(f"{p}: drafter id map unreadable ({e}); {fix}") from e
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or len(ids) != g.vocab:
+        raise ModelDirError(f"{p}: drafter id map has shape {ids.shape} ({ids.dtype}) but the drafter {g.vocab} "
+                            f"logits; {fix}")
+    if len(ids) and (ids.min() < 0 or ids.max() >= vocab):
+        raise ModelDirError(f"{p}: drafter id map holds ids in [{ids.min()}, {ids.max()}], outside the target "
+                            f"vocabulary [0, {vocab}); the drafter was built for another tokenizer — {fix}")
+    if np.unique(ids).size != ids.size:
+        raise ModelDirError(f"{p}: drafter id map repeats token ids; {fix}")
