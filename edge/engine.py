@@ -23,7 +23,7 @@ from memory.acceptance import AcceptanceStats
 from memory.planner import DEFAULT_PRIORS, DEFAULT_VERIFY_SHAPE, LatencyCurve, best_chain_length
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
-from .manifest import ModelDirError, load_manifest
+from .manifest import ModelDirError, check_drafter, load_manifest
 from .runner import GraphSession
 from .text import StreamDecoder, TextCodec
 
@@ -50,10 +50,11 @@ class GenerationParams:
     draft_len: int | None = None  # None: the drafter's default
 
     def check(self, context_room: int) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        # max_tokens beyond the context is allowed: the answer ends with finish_reason "length" when the window is full
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise EngineError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
-        if not (self.temperature >= 0):
-            raise EngineError(f"temperature must be >= 0 (got {self.temperature!r}); 0 means greedy")
+        if not (0 <= self.temperature < float("inf")):
+            raise EngineError(f"temperature must be a finite number >= 0 (got {self.temperature!r}); 0 means greedy")
         if not (0 < self.top_p <= 1):
             raise EngineError(f"top_p must be in (0, 1] (got {self.top_p!r})")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -62,6 +63,10 @@ class GenerationParams:
             raise EngineError(f"drafter {self.drafter!r}: choose one of {', '.join(DRAFTERS)}")
         if self.draft_len is not None and not (0 <= self.draft_len <= 64):
             raise EngineError(f"draft_len must be in [0, 64] (got {self.draft_len!r})")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+            raise EngineError(f"seed must be an integer >= 0 or None (got {self.seed!r})")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise EngineError(f"stop strings must be non-empty strings (got {list(self.stop)!r})")
 
 
 @dataclass
@@ -128,12 +133,14 @@ class GenerationResult:
 
 class Engine:
     def __init__(self, model_dir: str | Path, drafter: str = "auto", threads: int = 2, context: int | None = None,
-                 providers=("CPUExecutionProvider",), verify: str = "size", profile=None,
+                 providers=("CPUExecutionProvider",), verify: str = "fast", profile=None,
                  budget_mb: float | None = None):
         if drafter not in DRAFTERS:
             raise EngineError(f"drafter {drafter!r}: choose one of {', '.join(DRAFTERS)}")
         self.model_dir = Path(model_dir)
         self.manifest = m = load_manifest(self.model_dir, verify=verify)
+        for g in m.drafters:  # a foreign or damaged drafter fails here, not on its first request
+            check_drafter(self.model_dir, m, g)
         tok = self.model_dir / m.tokenizer
         if not tok.is_file():
             raise ModelDirError(f"{tok}: tokenizer missing; re-run edge-export")
@@ -429,15 +436,16 @@ class Engine:
             self._lock.release()
 
     def generate(self, prompt_or_messages, raw: bool = False, **kw) -> GenerationResult:
-        text, ids, finish = [], [], "length"
+        text, ids, finish, stats = [], [], "length", None
         for ch in self.stream(prompt_or_messages, raw=raw, **kw):
+            stats = stats or self.last_stats  # read while this request holds the engine (another may follow)
             text.append(ch.text)
             ids += ch.token_ids
             finish = ch.finish_reason or finish
-        return GenerationResult("".join(text), ids, finish, self.last_stats)
+        return GenerationResult("".join(text), ids, finish, stats or self.last_stats)
 
-    def chat(self, system: str | None = None) -> "Chat":
-        return Chat(self, system)
+    def chat(self, system: str | None = None, overflow: str = "refuse") -> "Chat":
+        return Chat(self, system, overflow)
 
     def reset(self, keep_drafter_state: bool = False) -> None:
         """Forget the KV cache; Token Recycling's matrix and the lookup history survive only if asked."""
@@ -460,35 +468,78 @@ def _normalize(kw: dict) -> dict:
     return kw
 
 
+OVERFLOW = ("refuse", "drop_oldest")
+
+
 class Chat:
     """Multi-turn conversation on one engine: the template is re-rendered each turn and only the new tokens are
     prefilled (the engine keeps the longest common prefix). An interrupted answer stays in the history as far as it
-    was streamed, so the next turn sees exactly what the user saw."""
+    was streamed, so the next turn sees exactly what the user saw.
 
-    def __init__(self, engine: Engine, system: str | None = None):
+    History overflow (`overflow`): "refuse" (default) refuses a turn whose prompt does not fit the context, with the
+    numbers, and keeps the history as it was; "drop_oldest" drops the oldest turns (never the system message or
+    the new question) until prompt + max_tokens fits, or at least the prompt does; `dropped` counts the messages
+    dropped. One answer at a time: a second thread gets EngineBusy and the history is untouched."""
+
+    def __init__(self, engine: Engine, system: str | None = None, overflow: str = "refuse"):
+        if overflow not in OVERFLOW:
+            raise EngineError(f"overflow {overflow!r}: choose one of {', '.join(OVERFLOW)}")
         self.engine = engine
         self.system = system
+        self.overflow = overflow
+        self.dropped = 0
+        self._lock = threading.Lock()
         self.messages = [{"role": "system", "content": system}] if system else []
+
+    def _fit(self, max_tokens: int) -> None:
+        """Drop the oldest turns (after the system message) until prompt + min(max_tokens, context / 2) fits;
+        a turn is a user message and the answer after it."""
+        e, first = self.engine, 1 if self.system else 0
+        reserve = min(max_tokens, e.context // 2)
+        while len(self.messages) - first > 1 and len(e.encode(self.messages)) + reserve > e.context:
+            del self.messages[first]
+            self.dropped += 1
+            while len(self.messages) - first > 1 and self.messages[first]["role"] != "user":
+                del self.messages[first]
+                self.dropped += 1
 
     def reset(self, keep_drafter_state: bool = False) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.engine.reset(keep_drafter_state)
 
     def send(self, text: str, **kw) -> Iterator[Chunk]:
-        self.messages.append({"role": "user", "content": text})
-        answer = []
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusy("this chat is answering in another thread; one turn at a time")
+        kept, dropped = list(self.messages), self.dropped
         try:
-            for ch in self.engine.stream(self.messages, **kw):
-                answer.append(ch.text)
-                yield ch
-        except (EngineError, ModelDirError):  # refused before anything was generated: forget the question
-            self.messages.pop()
-            raise
+            self.messages.append({"role": "user", "content": text})
+            answer = []
+            try:
+                if self.overflow == "drop_oldest":
+                    self._fit(GenerationParams(**_normalize(dict(kw))).max_tokens)
+                n, ctx = len(self.engine.encode(self.messages)), self.engine.context
+                if n >= ctx:
+                    raise EngineError(
+                        f"chat history is {n} tokens but the context holds {ctx}: "
+                        + ("even the system message and this question alone do not fit; shorten them"
+                           if self.overflow == "drop_oldest" else
+                           "start a new chat (reset), or use Chat(overflow='drop_oldest') to drop the oldest turns"))
+                for ch in self.engine.stream(self.messages, **kw):
+                    answer.append(ch.text)
+                    yield ch
+            except (EngineError, ModelDirError):  # refused before anything was generated: history as it was
+                self.messages[:], self.dropped = kept, dropped
+                raise
+            finally:
+                if self.messages and self.messages[-1]["role"] == "user":
+                    self.messages.append({"role": "assistant", "content": "".join(answer)})
         finally:
-            if self.messages and self.messages[-1]["role"] == "user":
-                self.messages.append({"role": "assistant", "content": "".join(answer)})
+            self._lock.release()
 
     def ask(self, text: str, **kw) -> GenerationResult:
-        chunks = list(self.send(text, **kw))
+        chunks, stats = [], None
+        for c in self.send(text, **kw):
+            stats = stats or self.engine.last_stats  # read while this turn holds the engine
+            chunks.append(c)
         return GenerationResult("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
-                                chunks[-1].finish_reason if chunks else "length", self.engine.last_stats)
+                                chunks[-1].finish_reason if chunks else "length", stats or self.engine.last_stats)
