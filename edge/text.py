@@ -1,9 +1,12 @@
 """Tokenizer, chat template and UTF-8-safe incremental detokenization (runtime side: `tokenizers` + jinja2 only)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class TextCodec:
@@ -15,7 +18,8 @@ class TextCodec:
         self._template = None
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        # a lone UTF-16 surrogate (JSON "\\ud800", a bad clipboard) is not text: U+FFFD, as a UTF-8 decoder would
+        return self.tok.encode(_LONE_SURROGATE.sub("\ufffd", text), add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
