@@ -140,19 +140,22 @@ def process_logits(
     x = logits.astype(dtype, copy=False).reshape(-1, shape[-1])  # [R, V]
     row_max = _check_logits(x)
 
-    # (x - max) / T: subtracting the row max first keeps exp() in range.
-    scale = dtype(1.0 / temperature)
+    # (x - max) / T: subtracting the row max first keeps exp() in range. A temperature so small that 1/T overflows
+    # is clamped to the largest finite scale: the limit, an even split over the maximal logits (0 * inf was NaN).
+    scale = dtype(min(1.0 / temperature, float(np.finfo(dtype).max)))
     if 0 < top_k < shape[-1]:
         # Top-k is invariant under (x - max) / T, so select on the raw logits and scale, soften
         # and nucleus-cut only the k kept entries ([R, k]) before scattering them back.
         cols = _top_k_indices(x, int(top_k))  # [R, k]
-        kept = (np.take_along_axis(x, cols, axis=-1) - row_max[:, None]) * scale
+        with np.errstate(over="ignore"):  # (x - max) * huge scale → -inf: probability 0, as intended
+            kept = (np.take_along_axis(x, cols, axis=-1) - row_max[:, None]) * scale
         probs = np.zeros_like(x)
         np.put_along_axis(probs, cols, _softmax_top_p(kept, top_p), axis=-1)
     else:
         x = x - row_max[:, None]
         if temperature != 1.0:
-            x *= scale
+            with np.errstate(over="ignore"):
+                x *= scale
         probs = _softmax_top_p(x, top_p)
     return probs.reshape(shape)
 
