@@ -44,13 +44,16 @@ def ensure_default_model(progress: bool = True) -> Path:
 
 def load(model_dir: str | os.PathLike | None = None, drafter: str = "auto", device: str | None = None,
          budget_mb: float | None = None, threads: int = 2, context: int | None = None,
-         progress: bool = True, simulate: bool = False, calibration: str | os.PathLike | None = None) -> Engine:
+         progress: bool = True, simulate: bool = False, calibration: str | os.PathLike | None = None,
+         verify: str = "fast") -> Engine:
     """Load an exported model directory (default: the embedded SmolLM2, exported on first use).
 
     `device` (a profile name from `devices`, or "host") and/or `budget_mb` turn on the memory planner: it picks
     drafter and draft length that fit, and re-plans as a chat's context grows. A profile whose execution provider
     is not installed is refused unless `simulate=True` (same budgets and shapes, CPU kernels). `calibration`: an
-    edge-profile calibration JSON for the planner (default: the one `edge-profile --install` left for this model)."""
+    edge-profile calibration JSON for the planner (default: the one `edge-profile --install` left for this model).
+    `verify`: "fast" checks every file's size and the sha256 of the small ones; "sha256" hashes everything (0.5 s
+    for the embedded model), "size" only sizes."""
     if budget_mb is not None and not budget_mb > 0:
         raise EngineError(f"budget_mb must be positive (got {budget_mb})")
     d = Path(model_dir) if model_dir is not None else ensure_default_model(progress)
@@ -66,4 +69,4 @@ def load(model_dir: str | os.PathLike | None = None, drafter: str = "auto", devi
             raise EngineError(str(e)) from e
     providers = profile.providers if profile is not None else ("CPUExecutionProvider",)
     return Engine(d, drafter=drafter, threads=threads, context=context, providers=providers, profile=profile,
-                  budget_mb=budget_mb)
+                  budget_mb=budget_mb, verify=verify)
