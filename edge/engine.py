@@ -389,7 +389,7 @@ class Engine:
                     st.decode_s = time.perf_counter() - t1
                     yield Chunk(text[sent:], new, n_drafted, finish)
                     return
-                safe = len(text) - hold if p.stop else len(text)
+                safe = max(sent, len(text) - hold) if p.stop else len(text)  # never a negative slice end
                 yield Chunk(text[sent:safe], new, n_drafted)
                 sent = max(sent, safe)
 
