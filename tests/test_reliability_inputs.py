@@ -1,0 +1,251 @@
+"""Bad and odd input on the tiny export: empty and over-long prompts, chat history overflow (refuse / drop oldest),
+control characters and lone surrogates, multi-byte text split across tokens (fuzzed), stop strings that straddle
+an accepted multi-token draft, absurd sampling values. Refusals are EngineErrors that leave the engine usable."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import edge
+from edge import EngineError
+from edge.text import StreamDecoder
+
+FUZZ = settings(max_examples=150, deadline=None, database=None)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(exported_llama):
+    return exported_llama[0]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return edge.load(tiny_dir, drafter="none", context=256)
+
+
+@pytest.fixture(scope="module")
+def small(tiny_dir):
+    """A 128-token context: chats overflow after a few turns."""
+    return edge.load(tiny_dir, drafter="lookup", context=128)
+
+
+def consistent(e) -> None:
+    assert e.target.cache.length == len(e.cached)
+
+
+# ----------------------------------------------------------------------------- empty and over-long prompts
+
+def test_empty_prompt(engine):
+    with pytest.raises(EngineError, match="empty prompt"):
+        engine.generate("", raw=True)
+    r = engine.generate("", max_tokens=4)  # an empty user message is a valid chat turn (the template is not empty)
+    assert len(r.token_ids) == 4 or r.finish_reason == "stop"
+    consistent(engine)
+
+
+def test_prompt_longer_than_context_names_both_numbers(small):
+    text = "the quick brown fox " * 40
+    n = len(small.encode(text))
+    with pytest.raises(EngineError, match=rf"prompt is {n} tokens but the context holds 128"):
+        small.generate(text)
+    consistent(small)
+
+
+def test_max_tokens_beyond_the_context_stops_at_the_window(small):
+    r = small.generate("hi", max_tokens=10**12)
+    assert r.finish_reason in ("length", "stop")
+    assert len(small.encode("hi")) + len(r.token_ids) <= small.context
+    consistent(small)
+
+
+# ----------------------------------------------------------------------------- chat history overflow
+
+QUESTIONS = ["name a river", "and a city?", "what is 7 times 8", "say hello", "one more word", "why?"]
+
+
+def test_chat_overflow_is_refused_with_the_numbers_by_default(small):
+    small.reset()
+    chat = small.chat(system="Be terse.")
+    for i in range(40):
+        before = [dict(m) for m in chat.messages]
+        try:
+            chat.ask(QUESTIONS[i % len(QUESTIONS)], max_tokens=16)
+        except EngineError as e:
+            m = re.search(r"chat history is (\d+) tokens but the context holds (\d+)", str(e))
+            assert m and int(m.group(1)) >= int(m.group(2)) == 128, str(e)
+            assert "drop_oldest" in str(e)
+            assert chat.messages == before  # the refused question is not kept
+            consistent(small)
+            return
+    pytest.fail("40 turns never overflowed a 128-token context")
+
+
+def test_chat_drop_oldest_keeps_the_system_message_and_matches_a_fresh_chat(small, tiny_dir):
+    small.reset()
+    chat = small.chat(system="Be terse.", overflow="drop_oldest")
+    for i in range(20):
+        chat.ask(QUESTIONS[i % len(QUESTIONS)], max_tokens=16)
+        assert chat.messages[0] == {"role": "system", "content": "Be terse."}
+        assert [m["role"] for m in chat.messages[1:]] == ["user", "assistant"] * ((len(chat.messages) - 1) // 2)
+        assert len(small.encode(chat.messages[:-1])) + 16 <= small.context
+        consistent(small)
+    assert chat.dropped > 0 and len(chat.messages) < 41
+    # the last answer is what a fresh engine answers to the same (shortened) visible history
+    last = chat.messages[-1]["content"]
+    fresh = edge.load(tiny_dir, drafter="none", context=128)
+    assert fresh.generate(chat.messages[:-1], max_tokens=16).text == last
+
+
+def test_drop_oldest_refuses_when_the_question_alone_does_not_fit(small):
+    chat = small.chat(system="Be terse.", overflow="drop_oldest")
+    chat.ask("hello", max_tokens=4)
+    before, dropped = [dict(m) for m in chat.messages], chat.dropped
+    with pytest.raises(EngineError, match=r"chat history is \d+ tokens but the context holds 128.*shorten"):
+        chat.ask("word " * 200, max_tokens=4)
+    assert chat.messages == before and chat.dropped == dropped
+
+
+def test_unknown_overflow_policy(small):
+    with pytest.raises(EngineError, match="overflow"):
+        small.chat(overflow="truncate_middle")
+
+
+# ----------------------------------------------------------------------------- odd characters
+
+@pytest.mark.parametrize("prompt", ["a\x00b", "\x1b[31mred\x1b[0m", "\u202eevil\u202c", "\ufeffbom", "tab\tnl\n\r",
+                                    "\x7f\x08", "𝕏 \U0010ffff", "e\u0301\u0301\u0301"])
+def test_control_and_unusual_characters(engine, prompt):
+    chunks = list(engine.stream(prompt, max_tokens=12))
+    for c in chunks:
+        c.text.encode("utf-8")  # strict: no surrogates, never half a character
+    assert chunks[-1].finish_reason in ("stop", "length")
+    consistent(engine)
+
+
+def test_lone_surrogate_is_read_as_replacement_character(engine):
+    a = engine.generate("x\ud800y", max_tokens=8)
+    b = engine.generate("x\ufffdy", max_tokens=8)
+    assert a.token_ids == b.token_ids
+
+
+# ----------------------------------------------------------------------------- multi-byte text split across tokens
+
+def deltas(codec, ids, cuts) -> list[str]:
+    dec, out, prev = StreamDecoder(codec), [], 0
+    for c in sorted(set(cuts)) + [len(ids)]:
+        out.append(dec.push(ids[prev:c]))
+        prev = c
+    out.append(dec.flush())
+    return out
+
+
+MULTIBYTE = st.text(alphabet=st.sampled_from(list("aé😀日本語ß€\u0301🏳️‍🌈👍🏽 \n")), min_size=1, max_size=24)
+
+
+@FUZZ
+@given(text=MULTIBYTE, data=st.data())
+def test_streamed_text_is_whole_characters_for_any_split(engine, text, data):
+    """Text the tokenizer splits inside characters (byte-level BPE), pushed in random groups of tokens: every delta
+    is whole characters (no U+FFFD, encodable) and the deltas add up to the text."""
+    ids = engine.codec.encode(text)
+    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=len(ids)))
+    out = deltas(engine.codec, ids, cuts)
+    assert "".join(out) == engine.codec.decode(ids) == text
+    for d in out:
+        assert "\ufffd" not in d
+        d.encode("utf-8")
+
+
+@FUZZ
+@given(ids=st.lists(st.integers(3, 383), min_size=1, max_size=30), data=st.data())
+def test_streamed_text_of_arbitrary_tokens_adds_up(engine, ids, data):
+    """Any token sequence (invalid UTF-8 included, as a model may emit): deltas add up to the full decode, and a
+    U+FFFD only appears where the full decode has one (an incomplete character held back, never split)."""
+    cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=len(ids)))
+    out = deltas(engine.codec, ids, cuts)
+    full = engine.codec.decode(ids)
+    assert "".join(out) == full
+    assert sum(d.count("\ufffd") for d in out) == full.count("\ufffd")
+    for d in out:
+        d.encode("utf-8")
+
+
+# ----------------------------------------------------------------------------- stop strings across a draft
+
+PROMPTS = ["the quick brown fox", "def add(a, b):", "Summarize: the council met", "1 2 3 4 5 6 7 8",
+           "abc abc abc abc"]
+
+
+def find_straddling_stop(engine):
+    """A (prompt, drafter, stop) where the stop string starts before an accepted multi-token draft and ends inside
+    it: its first character is in the text before the chunk, its last one in the chunk's second token."""
+    codec = engine.codec
+    for drafter in ("lookup", "recycling", "hybrid", "model"):
+        for p in PROMPTS:
+            chunks = list(engine.stream(p, max_tokens=48, drafter=drafter, draft_len=4))
+            ids = [t for c in chunks for t in c.token_ids]
+            full = "".join(c.text for c in chunks)
+            pos = 0
+            for c in chunks:
+                if c.drafted >= 1 and pos > 0:
+                    b0 = codec.decode(ids[:pos])
+                    b1 = codec.decode(ids[: pos + 1])
+                    b2 = codec.decode(ids[: pos + 2])
+                    ok = all(full.startswith(b) for b in (b0, b1, b2)) and len(b0) < len(b1) < len(b2)
+                    if ok and len(b0) > 0:
+                        stop = full[len(b0) - 1 : len(b1) + 1]
+                        if full.find(stop) == len(b0) - 1 and "\ufffd" not in stop:
+                            return p, drafter, stop, full
+                pos += len(c.token_ids)
+    return None
+
+
+def test_stop_string_straddling_an_accepted_draft(engine, tiny_dir):
+    engine.reset()
+    found = find_straddling_stop(engine)
+    assert found is not None, "no accepted multi-token draft to straddle"
+    prompt, drafter, stop, full = found
+    chunks = list(engine.stream(prompt, max_tokens=48, drafter=drafter, draft_len=4, stop=[stop]))
+    text = "".join(c.text for c in chunks)
+    assert text == full[: full.find(stop)] and chunks[-1].finish_reason == "stop"
+    assert all(stop not in c.text for c in chunks)
+    consistent(engine)
+    # in a chat, the next turn sees only the visible text: equal to a fresh chat fed the same history
+    chat = engine.chat()
+    r1 = chat.ask(prompt, max_tokens=48, drafter=drafter, draft_len=4, stop=[stop])
+    assert r1.text == text
+    r2 = chat.ask("and then?", max_tokens=16, drafter=drafter)
+    fresh = edge.load(tiny_dir, drafter="none", context=256)
+    assert fresh.generate(chat.messages[:-1], max_tokens=16).token_ids == r2.token_ids
+
+
+# ----------------------------------------------------------------------------- absurd sampling values
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=float("inf")), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=-1e-9), "temperature"), (dict(top_p=float("nan")), "top_p"), (dict(top_p=1 + 1e-9), "top_p"),
+    (dict(top_p=-0.5), "top_p"), (dict(top_k=1.5), "top_k"), (dict(max_tokens=-5), "max_tokens"),
+    (dict(max_tokens=2.0), "max_tokens"), (dict(max_tokens=True), "max_tokens"), (dict(max_tokens=None), "max_tokens"),
+    (dict(seed=-1), "seed"), (dict(seed="7"), "seed"), (dict(seed=1.5), "seed"), (dict(stop=[""]), "stop"),
+    (dict(stop=["ok", None]), "stop"), (dict(draft_len=65), "draft_len"), (dict(draft_len=-1), "draft_len"),
+])
+def test_absurd_values_are_refused_and_leave_the_engine_usable(engine, kw, match):
+    ref = engine.generate("hello", max_tokens=6)
+    with pytest.raises(EngineError, match=match):
+        engine.generate("hello", **{"max_tokens": 6, **kw})
+    consistent(engine)
+    assert engine.generate("hello", max_tokens=6).token_ids == ref.token_ids
+
+
+def test_extreme_but_valid_values(engine):
+    greedy = engine.generate("hello", max_tokens=8)
+    # a temperature so small that 1/T overflows is the greedy limit (unless the top logits tie exactly)
+    tiny_t = engine.generate("hello", max_tokens=8, temperature=1e-300, seed=1, drafter="lookup")
+    assert tiny_t.token_ids == greedy.token_ids
+    hot = engine.generate("hello", max_tokens=8, temperature=1e6, top_k=10**9, seed=2)
+    assert len(hot.token_ids) == 8 or hot.finish_reason == "stop"
+    assert engine.generate("hello", max_tokens=8, top_p=1e-12, temperature=1.0, seed=3).token_ids == greedy.token_ids
+    consistent(engine)
