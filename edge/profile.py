@@ -8,8 +8,11 @@ Steps (--steps, default all):
   speed       tokens/s vs K (vs tree nodes where the export verifies trees exactly) and the planner's own choice,
               loaded through the calibration just written; interleaved per prompt, medians over --reps
   memory      peak RSS vs context, plain and speculative: one fresh process per point (edge.memprobe; its own
-              ru_maxrss, so points are isolated) beside the footprint model's prediction for the same run; plus
+              peak RSS, so points are isolated) beside the footprint model's prediction for the same run; plus
               the planner's K and the longest K at --specmemo-context (extra memory of managed vs unmanaged)
+  chat        (only when named) a --chat-turns edge-chat session, prompts piped in with /stats after each, under
+              a budget just above the speculative lower bound at --chat-context, then once under a budget below
+              plain decoding's bound (which must be refused with a clear error)
 
 Writes OUT/calibration.json (sections memory, latency, acceptance: what `edge-chat --calibration` and the planner
 read; `--install` also puts it where edge.load finds it by itself), OUT/profile.json (every measurement) and PNG
@@ -31,6 +34,7 @@ from pathlib import Path
 from .bench import DEFAULT_PROMPTS
 
 STEPS = ("latency", "acceptance", "speed", "memory")
+EXTRA_STEPS = ("chat",)  # only when asked: a budgeted edge-chat session (see budget_chat)
 ENGINE_CONTEXT = 4096  # KV slots of the engine that measures latency and acceptance; longer prompts are skipped
 med = statistics.median
 
@@ -55,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-prompt-tokens", type=int, default=768,
                     help="skip prompts longer than this (default 768: keeps the run short)")
     ap.add_argument("--accept-k", type=int, default=16, help="chain length drafted while measuring acceptance")
+    ap.add_argument("--accept-k-model", type=int, default=4,
+                    help="the same for a model drafter, whose every draft token costs a drafter call")
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer (acceptance and speed)")
     ap.add_argument("--sweep-ks", default="1,2,4,8,16,64", help="draft lengths / tree node budgets swept")
     ap.add_argument("--sweep-drafters", default="hybrid,lookup", help="drafters swept (comma-separated)")
@@ -66,6 +72,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--mem-drafter", default="lookup", help="drafter of the memory sweep's speculative runs")
     ap.add_argument("--specmemo-context", type=int, default=1024,
                     help="context of the managed (planner's K) vs unmanaged (longest K) memory pair; 0 = skip")
+    ap.add_argument("--chat-turns", type=int, default=20)
+    ap.add_argument("--chat-context", type=int, default=4096, help="edge-chat --context of the chat step")
+    ap.add_argument("--chat-max-tokens", type=int, default=128)
+    ap.add_argument("--chat-budget-mb", type=float,
+                    help="budget of the chat step (default: the speculative lower bound at --chat-context + 1 MB)")
     ap.add_argument("--install", action="store_true",
                     help="also copy calibration.json to $EDGESPEC_HOME/calibration/<model dir name>.json, which "
                          "edge.load / edge-chat use when no --calibration is given")
@@ -174,7 +185,7 @@ def chain_kinds(engine) -> list[str]:
     return kinds
 
 
-def measure_acceptance(engine, items, k: int, max_tokens: int, prog) -> tuple[dict, dict]:
+def measure_acceptance(engine, items, k: int, k_model: int, max_tokens: int, prog) -> tuple[dict, dict]:
     """{drafter key: AcceptanceStats dict} from fixed-K chains over the prompts' turns, and per-kind counters.
     The moving average is made a running mean here (beta 1e-3) and handed to the planner with beta 0.1 again.
     draft_rate (steps with a draft at all) is not in the engine's statistics: it is estimated from
@@ -195,7 +206,8 @@ def measure_acceptance(engine, items, k: int, max_tokens: int, prog) -> tuple[di
             chat, c = engine.chat(), acc[kind]
             for turn in it["turns"]:
                 try:
-                    r = chat.ask(turn, max_tokens=max_tokens, drafter=kind, draft_len=k)
+                    r = chat.ask(turn, max_tokens=max_tokens, drafter=kind,
+                                 draft_len=k_model if kind == "model" else k)
                 except EngineError:  # a prompt longer than the context: skipped
                     break
                 c["steps"] += r.stats.steps
@@ -206,7 +218,7 @@ def measure_acceptance(engine, items, k: int, max_tokens: int, prog) -> tuple[di
                 prog.step(f"acceptance {kind}")
     for kind in kinds:
         st, c = engine.acceptance[kind], acc[kind]
-        given = st.expected_accepted(k)  # draft_rate is 1 in the engine's own statistics
+        given = st.expected_accepted(k_model if kind == "model" else k)  # draft_rate is 1 in the engine's stats
         st.draft_rate = min(1.0, c["accepted"] / c["steps"] / given) if c["steps"] and given > 0 else 0.0
         st.beta = 0.1
         out[kind] = st.to_dict()
@@ -312,9 +324,10 @@ def write_plots(out: Path, doc: dict) -> list[str]:
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     steps = [s.strip() for s in a.steps.split(",") if s.strip()]
-    bad = sorted(set(steps) - set(STEPS))
+    bad = sorted(set(steps) - set(STEPS) - set(EXTRA_STEPS))
     if bad:
-        print(f"edge-profile: error: unknown step(s) {bad}; choose among {', '.join(STEPS)}", file=sys.stderr)
+        print(f"edge-profile: error: unknown step(s) {bad}; choose among {', '.join(STEPS + EXTRA_STEPS)}",
+              file=sys.stderr)
         return 2
     try:
         items = load_prompts(a.prompts, a.prompts_per_category)
@@ -350,7 +363,8 @@ def main(argv=None) -> int:
     sweep_items = round_robin(items)[: a.sweep_prompts]
     sweep_drafters = [d for d in a.sweep_drafters.split(",") if d.strip()]
     n_configs = 2 + len(sweep_drafters) * len(sweep_ks)
-    total = (("latency" in steps) * len(sizes) * (1 + len(m.drafters))
+    total = (("chat" in steps)
+             + ("latency" in steps) * len(sizes) * (1 + len(m.drafters))
              + ("acceptance" in steps) * len(items) * len(chain_kinds(engine))
              + ("speed" in steps) * a.reps * len(sweep_items) * n_configs
              + ("memory" in steps) * (len(contexts) * len(mem_ks) + (2 if a.specmemo_context else 0)))
@@ -370,7 +384,9 @@ def main(argv=None) -> int:
     cal_path = out / "calibration.json"
     if not {"latency", "acceptance"} & set(steps) and cal_path.is_file():  # e.g. --steps speed: re-use the last
         cal = {k: v for k, v in load_calibration(cal_path).items() if k != "path"}
-    text = " ".join(t for it in items for t in it["turns"])
+    # the memory runs' prompt text: every prompt of the file, so the vocabulary grows with the context as in real
+    # use (the embedding's resident part depends on how many distinct tokens were looked up)
+    text = " ".join(t for it in load_prompts(a.prompts, 0) for t in it["turns"])
     try:
         timer = doc["step_s"] = {}
         t = time.time()
@@ -378,7 +394,7 @@ def main(argv=None) -> int:
             doc["latency"] = cal["latency"] = measure_latency(engine, sizes, a.latency_context, a.latency_reps, prog)
         timer["latency"], t = round(time.time() - t, 1), time.time()
         if "acceptance" in steps:
-            acc, counters = measure_acceptance(engine, items, a.accept_k, a.max_tokens, prog)
+            acc, counters = measure_acceptance(engine, items, a.accept_k, a.accept_k_model, a.max_tokens, prog)
             cal["acceptance"] = acc
             doc["acceptance"] = counters
             if "latency" in cal:
@@ -429,7 +445,12 @@ def main(argv=None) -> int:
             cal["memory"] = {"baseline_mb": fit_baseline(pts, base)}
             doc["memory"]["fitted_baseline_mb"] = cal["memory"]["baseline_mb"]
             cal_path.write_text(json.dumps(cal, indent=1))
-        timer["memory"] = round(time.time() - t, 1)
+        timer["memory"], t = round(time.time() - t, 1), time.time()
+        if "chat" in steps:
+            chat_items = [it for it in round_robin(items) if len(it["turns"][0]) < 400]  # short chat turns
+            doc["chat"] = budget_chat(model_dir, chat_items, a.chat_turns, a.chat_context, a.chat_max_tokens,
+                                      a.chat_budget_mb, cal_path if cal_path.is_file() else None, a.threads, prog)
+            timer["chat"] = round(time.time() - t, 1)
     except KeyboardInterrupt:
         print("edge-profile: interrupted; writing what was measured", file=sys.stderr)
     finally:
@@ -453,6 +474,69 @@ def main(argv=None) -> int:
         print(doc["memory"]["table"])
     print(f"wrote {out / 'calibration.json'} and {out / 'profile.json'}", file=sys.stderr)
     return 0
+
+
+def _chat_cli(model_dir, budget: float, context: int, calibration, threads: int, stdin: str,
+              max_tokens: int) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "edge.cli", "--model", str(model_dir), "--budget-mb", f"{budget:.1f}",
+            "--context", str(context), "--max-tokens", str(max_tokens), "--threads", str(threads)]
+    if calibration is not None:
+        args += ["--calibration", str(calibration)]
+    return subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=3600,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+
+
+def _json_objects(text: str) -> list[dict]:
+    """The JSON objects printed one after another in a stream of other lines (/stats output)."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while (i := text.find("{\n", i)) >= 0:
+        try:
+            obj, end = dec.raw_decode(text, i)
+        except ValueError:
+            i += 1
+            continue
+        out.append(obj)
+        i = end
+    return out
+
+
+def budget_chat(model_dir, items, turns: int, context: int, max_tokens: int, budget: float | None, calibration,
+                threads: int, prog=None) -> dict:
+    """A `turns`-turn edge-chat session (one line per prompt, /stats after each) under `budget` (default: the
+    speculative lower bound at `context` + 1 MB, from `edge-chat --plan --json`), then the same chat start under a
+    budget 10 MB below plain decoding's lower bound. → per-turn plan and memory, and the refusal message."""
+    from .manifest import load_manifest
+    from .planning import plan_report, profile_for
+
+    m = load_manifest(model_dir, verify="none")
+    rep = plan_report(m, profile_for(None, calibration=calibration, model_dir=model_dir), context, None)
+    if budget is None:
+        if rep["min_budget_speculative_mb"] is None:
+            raise ValueError("no speculative plan is predicted faster than plain decoding at this calibration; "
+                             "pass --chat-budget-mb")
+        budget = round(rep["min_budget_speculative_mb"] + 1.0, 1)
+    prompts = [" ".join(items[i % len(items)]["turns"][0].split()) for i in range(turns)]
+    stdin = "".join(f"{p}\n/stats\n" for p in prompts) + "/quit\n"
+    r = _chat_cli(model_dir, budget, context, calibration, threads, stdin, max_tokens)
+    stats = _json_objects(r.stderr)
+    rows = []
+    for i, s in enumerate(stats, 1):
+        p, mem = s.get("plan") or {}, s["memory_mb"]
+        rows.append({"turn": i, "context_tokens": s["context_tokens"], "drafter": p.get("drafter"),
+                     "nodes": p.get("nodes"), "planned_for_context": p.get("context"),
+                     "predicted_peak_mb": mem.get("predicted_peak"), "measured_peak_rss_mb": mem["measured_peak_rss"],
+                     "decode_tok_s": s["last_answer"].get("decode_tok_s")})
+    if prog:
+        prog.step("chat")
+    below = round(rep["min_budget_plain_mb"] - 10, 1)
+    r2 = _chat_cli(model_dir, below, context, calibration, threads, "hello\n/quit\n", max_tokens)
+    peak = max((x["measured_peak_rss_mb"] for x in rows), default=None)
+    errors = [line for line in r.stderr.splitlines() if line.startswith(("error:", "edge-chat: error"))]
+    return {"budget_mb": budget, "context": context, "turns": len(rows), "returncode": r.returncode,
+            "lower_bounds_mb": {"plain": rep["min_budget_plain_mb"], "speculative": rep["min_budget_speculative_mb"]},
+            "peak_rss_mb": peak, "within_budget": peak is not None and peak <= budget,
+            "nodes_by_turn": [x["nodes"] for x in rows], "rows": rows, "errors": errors,
+            "below_plain": {"budget_mb": below, "returncode": r2.returncode, "stderr": r2.stderr.strip()[-600:]}}
 
 
 def specmemo_pair(points: dict, k_plan: int, k_top: int, speed: dict | None) -> dict:

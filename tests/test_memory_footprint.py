@@ -7,6 +7,8 @@ export on disk.
 """
 from __future__ import annotations
 
+import math
+
 import copy
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 from edge.manifest import Manifest
 from memory import (MB, Calibration, LinearBytes, Speculation, graph_weight_bytes, kv_bytes_per_token, kv_capacity,
                     linear_bytes, predict_peak, predict_weight_bytes, resident_weight_bytes)
-from memory.footprint import DEFAULT_CALIBRATIONS, LOOKUP_BYTES_PER_TOKEN, PAGE
+from memory.footprint import DEFAULT_CALIBRATIONS, LOOKUP_BYTES_PER_TOKEN
 
 PROPERTY = settings(max_examples=150, deadline=None, database=None)
 
@@ -125,14 +127,21 @@ def test_graph_weight_bytes_reconciles_with_the_manifest():
     assert predict_weight_bytes(M.arch, layers=2, vocab=8192, max_len=8192, adapter=True).other == 576 * 576 * 4
 
 
+def touched(ctx: int) -> int:
+    """The SmolLM2 embedding's resident bytes at `ctx` tokens: 1728 windows of 64 KB, ctx^0.8 distinct rows."""
+    return round(1728 * -math.expm1(-ctx ** 0.8 / 1728) * 65536)
+
+
 def test_resident_weights_on_the_cpu():
-    """CPU EP: MatMulNBits repacked with a second scale-sized block; the embedding paged in per touched token."""
+    """CPU EP: MatMulNBits repacked with a second scale-sized block; the embedding paged in 64 KB fault-around
+    windows around the rows of the distinct tokens seen (Heaps' law: 1000^0.8 ≈ 251 of them)."""
     w = predict_weight_bytes(M.arch, max_len=8192)
     prepacked = 53_084_160 + 2 * 13_271_040 + 1_658_880 + 28_311_552 + 2 * 3_538_944 + 884_736
     assert prepacked == 117_559_296
     ctx = 1000
-    touched = 500 * PAGE  # 0.5 distinct tokens per context token, one 4 KB page each (a row is 2304 B)
-    assert resident_weight_bytes(w, CPU, ctx) == prepacked + touched + 2_097_152 + 140_544
+    assert w.embedding == 49152 * 576 * 4 == 1728 * 65536  # 1728 windows of 64 KB
+    assert 14 * MB < touched(ctx) < 15 * MB  # ≈ 234 windows
+    assert resident_weight_bytes(w, CPU, ctx) == prepacked + touched(ctx) + 2_097_152 + 140_544
     assert resident_weight_bytes(w, CPU, 10**6) == prepacked + w.embedding + 2_097_152 + 140_544  # capped
     full = DEFAULT_CALIBRATIONS["gpu"]
     assert resident_weight_bytes(w, full, ctx) == w.total - w.proto
@@ -149,7 +158,7 @@ def test_plain_decoding_breakdown_at_1024():
     assert fp["target.arena"] == 80 * 512 * 576 + 8 * 512 * span == 27_791_360
     assert fp["runtime.bias"] == 512 * span * 4
     assert fp["target.session"] == round(16.5 * MB) + (span + 256) * 4 + 256 * 256 * 4
-    assert fp["target.weights"] == 117_559_296 + 512 * PAGE + 2_097_152 + 140_544 + 17
+    assert fp["target.weights"] == 117_559_296 + touched(1024) + 2_097_152 + 140_544 + 17
     assert fp.total_bytes == sum(b for _, b in fp.parts)
     assert set(fp.breakdown_mb()) == {"baseline", "target.weights", "target.session", "target.kv", "target.logits",
                                       "target.arena", "runtime.bias"}
@@ -172,7 +181,7 @@ def test_model_drafter_components():
     assert fp["drafter.logits"] == 8192 * 4
     assert fp["drafter.id_map"] == 8192 * 8
     drafter_prepacked = 3_538_944 + 2 * 884_736 + 110_592 + 4_718_592 + 2 * 589_824 + 147_456
-    assert fp["drafter.weights"] == drafter_prepacked + 512 * PAGE + 2_097_152 + 5 * 576 * 4 - 5  # other: -5 B
+    assert fp["drafter.weights"] == drafter_prepacked + touched(1024) + 2_097_152 + 5 * 576 * 4 - 5  # other: -5 B
     assert fp["drafter.session"] == round(2.5 * MB) + (ctx + k + 1 + 256) * 4 + 256 * 256 * 4
     # the first drafter is the default graph
     assert predict_peak(M, Speculation("model", k), ctx) == fp
