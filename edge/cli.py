@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=512, help="maximum tokens per answer (default 512)")
     ap.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     ap.add_argument("--system", help="system prompt")
+    ap.add_argument("--overflow", choices=["refuse", "drop_oldest"], default="refuse",
+                    help="REPL history beyond the context: refuse the turn (default) or drop the oldest turns")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for ONNX Runtime (default 2)")
     ap.add_argument("--context", type=int, default=4096, help="context window in tokens (default 4096)")
     ap.add_argument("--device", help="device profile for the memory planner: host, laptop-cpu-16gb, "
@@ -96,7 +98,7 @@ def _stats_info(engine, last) -> dict:
 
 
 def _repl(engine, a) -> int:
-    chat = engine.chat(system=a.system)
+    chat = engine.chat(system=a.system, overflow=a.overflow)
     print(f"edgespec · {engine.manifest.name} · drafter {engine.default_drafter} · {HELP}", file=sys.stderr)
     last = None
     while True:
