@@ -48,6 +48,7 @@ class GraphEntry:
     block_size: int = 0
     accuracy_level: int = 0
     lm_head_bits: int = 0  # 0 = float head
+    embedding_bits: int = 0  # 0 = float Gather table; else block-quantized rows (GatherBlockQuantized)
     max_len: int = 0  # KV buffer capacity the rotary tables cover
     kv_dtype: str = "float32"
     tree_capable: bool = True

@@ -59,6 +59,13 @@ class GraphOptions:
     def bits(self) -> int | None:
         return {"int4": 4, "int8": 8}.get(self.precision)
 
+    def embedding_bits(self, hidden: int) -> int:
+        """Bits of the block-quantized embedding rows (GatherBlockQuantized, stored like the LM head); 0 = a float
+        Gather table (float bodies, a float head, or rows that do not split into whole blocks)."""
+        if not self.bits or hidden % self.block_size:
+            return 0
+        return self.head_bits or 0
+
     @property
     def head_bits(self) -> int | None:
         if self.lm_head_bits is not None:
@@ -105,10 +112,32 @@ class _Builder:
         else:
             b, s, z = quantize_asymmetric(w, bits, self.o.block_size)
             extra = [self.init(f"{name}.zero_points", z)]
-        bn = self.init(f"{name}.qweight", b)
-        sn = self.init(f"{name}.scales", s.astype(self.np_ft))
-        return self.node("MatMulNBits", [x, bn, sn] + extra, domain=MS, name=name, K=k, N=n, bits=bits,
+        q = [self.init(f"{name}.qweight", b), self.init(f"{name}.scales", s.astype(self.np_ft))] + extra
+        return self.node("MatMulNBits", [x] + q, domain=MS, name=name, K=k, N=n, bits=bits,
                          block_size=self.o.block_size, accuracy_level=self.o.accuracy_level)[0]
+
+    def embedding(self, w: np.ndarray, bits: int | None) -> str:
+        """Rows of w [V, H] for input_ids: a float Gather, or GatherBlockQuantized over block-quantized rows
+        [V, n_blocks, blob] with one scale (and zero point) per block [V, n_blocks, 1]."""
+        if bits is None:
+            return self.node("Gather", [self.init("embed_tokens", w.astype(self.np_ft)), "input_ids"], name="embed",
+                             axis=0)[0]
+        v, nb = w.shape[0], w.shape[1] // self.o.block_size
+        if self.o.symmetric:
+            b, scales = quantize_blockwise(w, bits, self.o.block_size)
+            z = None
+        else:
+            b, scales, z = quantize_asymmetric(w, bits, self.o.block_size)
+            if bits == 4:  # MatMulNBits packs two blocks' zero points per byte; here one per block (low nibble)
+                z = np.stack([z & 0x0F, z >> 4], -1)
+        inputs = [self.init("embed_tokens.qweight", b), "input_ids",
+                  self.init("embed_tokens.scales", scales.astype(self.np_ft).reshape(v, nb, 1))]
+        if z is not None:
+            inputs.append(self.init("embed_tokens.zero_points", z.reshape(v, -1)[:, :nb].reshape(v, nb, 1)))
+        rows = self.node("GatherBlockQuantized", inputs, domain=MS, name="embed", bits=bits,
+                         block_size=self.o.block_size, gather_axis=0, quantize_axis=2)[0]  # [1, S, n_blocks, blob]
+        return self.node("Reshape", [rows, self.init("embed_out_shape", np.array([1, -1, w.shape[1]], np.int64))],
+                         name="embed_rows")[0]
 
 
 def rotary_tables(head_dim: int, theta: float, max_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -174,8 +203,10 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
     cos, sin = rotary_tables(c.head_dim, c.rope_theta, max_len + int(opts.pad_query))
     cos_n, sin_n = g.init("cos_cache", cos.astype(g.np_ft)), g.init("sin_cache", sin.astype(g.np_ft))
 
-    emb = w["model.embed_tokens.weight"].astype(g.np_ft)
-    h = g.node("Gather", [g.init("embed_tokens", emb), "input_ids"], name="embed", axis=0)[0]
+    # quantized bodies store the embedding block-quantized like the LM head (113 → 28 MB here at 8 bits). Its own
+    # initializer, not the tied head's: external data is memory-mapped and a Gather touches only the rows it reads,
+    # while sharing would keep the head's whole packed table resident (measured: +28 MB RSS)
+    h = g.embedding(w["model.embed_tokens.weight"], opts.embedding_bits(c.hidden) or None)
     residual = h
     x = g.node("SimplifiedLayerNormalization", [h, g.init("l0.input_norm", w["model.layers.0.input_layernorm.weight"].astype(g.np_ft))],
                name="l0/input_norm", axis=-1, epsilon=eps, stash_type=1)[0]

@@ -222,7 +222,8 @@ def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, opts: Ex
         graphs = [GraphEntry(role="target", name="target", file=target_file, layers=c.layers, vocab=c.vocab,
                              precision=opts.precision, block_size=opts.block_size,
                              accuracy_level=opts.accuracy_level if opts.precision in ("int4", "int8") else 0,
-                             lm_head_bits=opts.graph_options(max_len).head_bits or 0, max_len=max_len,
+                             lm_head_bits=opts.graph_options(max_len).head_bits or 0,
+                             embedding_bits=opts.graph_options(max_len).embedding_bits(c.hidden), max_len=max_len,
                              stats={"latency_ms_s1": round(target_ms[0], 3),
                                     "latency_ms_by_s": [round(t, 3) for t in target_ms]})]
         for layers, k in opts.drafters:
@@ -267,6 +268,7 @@ def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, opts: Ex
             graphs.append(GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=layers, vocab=k,
                                      precision=opts.precision, block_size=opts.block_size,
                                      accuracy_level=graphs[0].accuracy_level, lm_head_bits=graphs[0].lm_head_bits,
+                                     embedding_bits=graphs[0].embedding_bits,
                                      max_len=max_len, id_map=f"{name}/id_map.npy", stats=stats))
 
         steps.start("manifest")

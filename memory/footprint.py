@@ -89,7 +89,7 @@ def linear_bytes(k: int, n: int, bits: int | None, block_size: int = 32, float_b
 @dataclass(frozen=True)
 class WeightBytes:
     """On-disk bytes of one exported graph (onnx + external data), by part."""
-    embedding: int  # [vocab, hidden] float (a Gather)
+    embedding: int  # [vocab, hidden]: a float Gather table, or block-quantized rows + scales (+ zero points)
     body: LinearBytes  # every decoder layer's qkv, o, gate_up, down
     head: LinearBytes  # lm_head [hidden, graph vocab]
     rotary: int  # cos/sin caches [max_len, head_dim/2] each
@@ -105,11 +105,13 @@ class WeightBytes:
 
 def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int | None = None,
                          precision: str = "int4", block_size: int = 32, lm_head_bits: int | None = None,
-                         max_len: int | None = None, zero_points: bool = True, adapter: bool = False) -> WeightBytes:
+                         max_len: int | None = None, zero_points: bool = True, adapter: bool = False,
+                         embedding_bits: int = 0) -> WeightBytes:
     """What `export.graph.build_graph` writes for these settings, from architecture numbers alone (what-if planning:
     another precision, block size, drafter depth or trimmed vocabulary). `vocab`: the logits width (trimmed for
     drafters; the embedding always covers the full vocabulary). `lm_head_bits`: None = the exporter's default
-    (8 for int bodies, float for fp32/fp16), 0 = float head."""
+    (8 for int bodies, float for fp32/fp16), 0 = float head. `embedding_bits`: 0 = float Gather table, else
+    block-quantized rows with one scale (and one zero-point byte) per block."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     a = arch
@@ -132,15 +134,19 @@ def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int
         + lin(inter, hidden, bits)
     other = layers * (q_dim + 2 * kv_dim) * fb if a.get("qkv_bias") else 0
     other += hidden * hidden * fb if adapter else 0
+    row = hidden * fb
+    if embedding_bits:
+        nb = hidden // block_size
+        row = nb * (block_size * embedding_bits // 8 + fb + (1 if zero_points else 0))
     return WeightBytes(
-        embedding=a["vocab"] * hidden * fb,
+        embedding=a["vocab"] * row,
         body=layer * layers,
         head=lin(hidden, vocab, head_bits),
         rotary=2 * max_len * (hd // 2) * fb,
         norms=(2 * layers + 1) * hidden * fb,
         other=other,
         proto=PROTO_BYTES[0] + PROTO_BYTES[1] * layers,
-        embedding_row=hidden * fb,
+        embedding_row=row,
     )
 
 
@@ -151,7 +157,7 @@ def graph_weight_bytes(manifest, graph) -> WeightBytes:
     export's missing zero points) goes into `other`, so the total is always the file size."""
     w = predict_weight_bytes(manifest.arch, layers=graph.layers, vocab=graph.vocab, precision=graph.precision,
                              block_size=graph.block_size or 32, lm_head_bits=graph.lm_head_bits,
-                             max_len=graph.max_len or None)
+                             max_len=graph.max_len or None, embedding_bits=graph.embedding_bits)
     if graph.weight_bytes:
         w = replace(w, other=w.other + graph.weight_bytes - w.total)
     return w

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import VOCAB
 from export import reference
-from export.checkpoint import Checkpoint
+from export.checkpoint import Checkpoint, load_hf_dir
 from export.evaluate import GraphRunner
 from export.graph import IR_VERSION, GraphOptions, build_graph, save_model
 from export.quant import dequantize_blockwise, quantize_asymmetric, quantize_blockwise
@@ -185,7 +185,8 @@ def test_matmulnbits_reads_our_layout(bits, symmetric, n, k, block):
 # ----------------------------------------------------------------------------- quantized graphs of the tiny llama
 
 def dequantized_checkpoint(ck: Checkpoint, bits: int, head_bits: int, block: int, symmetric: bool) -> Checkpoint:
-    """The checkpoint with every Linear (and the LM head) replaced by its quantize→dequantize image."""
+    """The checkpoint with every Linear, the LM head and the embedding (stored like the head) replaced by its
+    quantize→dequantize image."""
     def qd(w, b):
         n, k = w.shape
         if symmetric:
@@ -194,6 +195,7 @@ def dequantized_checkpoint(ck: Checkpoint, bits: int, head_bits: int, block: int
 
     w = {k: (qd(v, bits) if k.endswith("_proj.weight") else v) for k, v in ck.weights.items()}
     w["lm_head.weight"] = qd(ck.lm_head, head_bits)
+    w["model.embed_tokens.weight"] = qd(ck.weights["model.embed_tokens.weight"], head_bits)
     return Checkpoint(ck.config, w, ck.source, ck.source_format)
 
 
@@ -260,7 +262,8 @@ def test_top1_agreement_with_fp32_reference(tiny_llama, graph_file, prompts, pre
 
 
 def test_float_head_option(tiny_llama, graph_file, prompts):
-    """lm_head_bits=0 keeps the head in float: with fp32 activations only the body's int8 error remains."""
+    """lm_head_bits=0 keeps the head (and the embedding) in float: with fp32 activations only the body's int8
+    error remains."""
     import onnx
 
     p = graph_file(precision="int8", lm_head_bits=0, accuracy_level=0)
@@ -268,6 +271,7 @@ def test_float_head_option(tiny_llama, graph_file, prompts):
     assert {n.op_type for n in m.graph.node if n.name == "lm_head"} == {"MatMul"}
     qck = dequantized_checkpoint(tiny_llama, 8, 8, 32, False)
     qck.weights["lm_head.weight"] = tiny_llama.lm_head
+    qck.weights["model.embed_tokens.weight"] = tiny_llama.weights["model.embed_tokens.weight"]
     np.testing.assert_allclose(runner(p, tiny_llama).logits(prompts[0]), reference.forward(qck, prompts[0]),
                                atol=1e-4, rtol=0)
 
@@ -280,3 +284,46 @@ def test_fp16_graph_builds_loads_and_runs(tiny_llama, graph_file, prompts):
         assert got.dtype == np.float32
         assert np.abs(got - want).max() < 0.1
         assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
+def test_embedding_is_block_quantized_in_its_own_initializer(tiny_llama, tiny_untied_dir, graph_file):
+    """Quantized graphs gather the embedding from its own block-quantized rows (not the tied head's: those would
+    stay resident, while the embedding's memory-mapped rows are read only where used); float graphs keep a Gather."""
+    import onnx
+
+    def embed_node(model):
+        (n,) = [n for n in model.graph.node if n.name == "embed"]
+        return n
+
+    for ck, ids in ((tiny_llama, None), (load_hf_dir(tiny_untied_dir), None), (tiny_llama, np.arange(50))):
+        n = embed_node(build_graph(ck, GraphOptions(precision="int4", max_len=64), ids))
+        assert n.op_type == "GatherBlockQuantized" and n.input[0] == "embed_tokens.qweight", n
+    assert embed_node(build_graph(tiny_llama, GraphOptions(precision="int4", max_len=64, lm_head_bits=0))).op_type == "Gather"
+    m = onnx.load(str(graph_file(precision="fp32")), load_external_data=False)
+    assert embed_node(m).op_type == "Gather"
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_4bit_head_and_embedding_equal_dequantized_reference(tiny_llama, graph_file, prompts, symmetric):
+    """--lm-head-bits 4: the head and the gathered embedding rows (4-bit, one zero point per block) are exactly
+    their de-quantized images (fp32 activations)."""
+    qck = dequantized_checkpoint(tiny_llama, 4, 4, 32, symmetric)
+    r = runner(graph_file(precision="int4", symmetric=symmetric, accuracy_level=0, lm_head_bits=4), tiny_llama)
+    for ids in prompts[:2]:
+        np.testing.assert_allclose(r.logits(ids), reference.forward(qck, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("head_bits,symmetric", [(8, False), (4, False), (8, True)])
+def test_footprint_predicts_the_quantized_embedding_to_the_byte(tiny_llama, head_bits, symmetric):
+    """memory.footprint's embedding bytes equal the initializers the exporter writes for it."""
+    from memory.footprint import predict_weight_bytes
+
+    c = tiny_llama.config
+    opts = GraphOptions(precision="int4", max_len=64, lm_head_bits=head_bits, symmetric=symmetric)
+    m = build_graph(tiny_llama, opts)
+    written = sum(numpy_helper.to_array(t).nbytes for t in m.graph.initializer if t.name.startswith("embed_tokens."))
+    arch = {"layers": c.layers, "vocab": c.vocab, "hidden": c.hidden, "head_dim": c.head_dim,
+            "intermediate": c.intermediate, "heads": c.heads, "kv_heads": c.kv_heads}
+    w = predict_weight_bytes(arch, precision="int4", lm_head_bits=head_bits, max_len=64, zero_points=not symmetric,
+                             embedding_bits=opts.embedding_bits(c.hidden))
+    assert opts.embedding_bits(c.hidden) == head_bits and w.embedding == written
