@@ -33,8 +33,8 @@ from .quant import quantize_asymmetric, quantize_blockwise
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 MS = "com.microsoft"
 # bumped whenever the graphs this builder writes change, so a cached export from an older builder is rebuilt
-# (2: the pad query row)
-GRAPH_VERSION = 2
+# (2: the pad query row; 3: block-quantized embedding rows)
+GRAPH_VERSION = 3
 IR_VERSION = 10  # ORT 1.31 loads IR <= 13; onnx 1.23 would write 14 by default
 OPSET = 17
 
