@@ -1,4 +1,4 @@
-"""One memory measurement in a fresh process: `python -m edge.memprobe '{json}'` loads a model with a KV cache sized
+"""One memory measurement in a fresh process: `python -m edge.memprobe '{json}'` (or the JSON on stdin) loads a model with a KV cache sized
 to the run, fills it to `context` tokens, decodes with a fixed draft length, and prints one JSON line with its own
 peak RSS (ru_maxrss of this process only, so every point is isolated) next to the footprint model's prediction for
 exactly this run. `edge-profile` runs one of these per (context, K) point."""
@@ -89,7 +89,8 @@ def measure(model_dir: str, context: int, k: int, drafter: str = "lookup", decod
 
 
 def main(argv=None) -> int:
-    args = json.loads((argv or sys.argv[1:])[0])
+    argv = sys.argv[1:] if argv is None else argv
+    args = json.loads(argv[0] if argv else sys.stdin.read())  # stdin: the prompt text can exceed argv limits
     print(json.dumps(measure(**args)))
     return 0
 

@@ -11,8 +11,8 @@ Steps (--steps, default all):
               peak RSS, so points are isolated) beside the footprint model's prediction for the same run; plus
               the planner's K and the longest K at --specmemo-context (extra memory of managed vs unmanaged)
   chat        (only when named) a --chat-turns edge-chat session, prompts piped in with /stats after each, under
-              a budget just above the speculative lower bound at --chat-context, then once under a budget below
-              plain decoding's bound (which must be refused with a clear error)
+              a budget just above the speculative lower bound at the context the chat reaches, then once under a
+              budget below plain decoding's bound (which must be refused with a clear error)
 
 Writes OUT/calibration.json (sections memory, latency, acceptance: what `edge-chat --calibration` and the planner
 read; `--install` also puts it where edge.load finds it by itself), OUT/profile.json (every measurement) and PNG
@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sizes", default="1,2,3,4,6,8,12,16,24,32,48,65", help="rows per call for the latency curve")
     ap.add_argument("--latency-context", type=int, default=256)
     ap.add_argument("--latency-reps", type=int, default=7)
-    ap.add_argument("--prompts-per-category", type=int, default=2, help="prompts taken from each category")
+    ap.add_argument("--prompts-per-category", type=int, default=1, help="prompts taken from each category")
     ap.add_argument("--max-prompt-tokens", type=int, default=768,
                     help="skip prompts longer than this (default 768: keeps the run short)")
     ap.add_argument("--accept-k", type=int, default=16, help="chain length drafted while measuring acceptance")
@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer (acceptance and speed)")
     ap.add_argument("--sweep-ks", default="1,2,4,8,16,64", help="draft lengths / tree node budgets swept")
     ap.add_argument("--sweep-drafters", default="hybrid,lookup", help="drafters swept (comma-separated)")
-    ap.add_argument("--sweep-prompts", type=int, default=3, help="prompts in the speed sweep (one per category)")
+    ap.add_argument("--sweep-prompts", type=int, default=2, help="prompts in the speed sweep (one per category)")
     ap.add_argument("--reps", type=int, default=2, help="repeats of the speed sweep")
     ap.add_argument("--budget-mb", type=float, help="budget for the planner's choice (default: the host profile's)")
     ap.add_argument("--contexts", default="256,1024,4096", help="contexts of the memory sweep")
@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--chat-context", type=int, default=4096, help="edge-chat --context of the chat step")
     ap.add_argument("--chat-max-tokens", type=int, default=128)
     ap.add_argument("--chat-budget-mb", type=float,
-                    help="budget of the chat step (default: the speculative lower bound at --chat-context + 1 MB)")
+                    help="budget of the chat step (default: 0.1 MB above the speculative lower bound at the largest "
+                         "context the chat reaches, from a first unconstrained pass)")
     ap.add_argument("--install", action="store_true",
                     help="also copy calibration.json to $EDGESPEC_HOME/calibration/<model dir name>.json, which "
                          "edge.load / edge-chat use when no --calibration is given")
@@ -235,7 +236,7 @@ def speed_sweep(engine, items, configs: list[tuple[str, str | None, int | None]]
                 plan0, prog) -> dict:
     """Decode tokens/s of each (label, drafter, draft_len) config, interleaved: every prompt runs every config in
     a rotated order, `reps` times. Label "plan" runs the engine's planned drafter with adaptive K (re-planned from
-    `plan0` each time, so runs are alike). → {label: {"tok_s": median, "runs": [...]}}"""
+    `plan0` each time, so runs are alike); "unmanaged" the given drafter with adaptive K and no plan (no cap). → {label: {"tok_s": median, "runs": [...]}}"""
     runs: dict[str, list[float]] = {c[0]: [] for c in configs}
     first_item = items[0]["turns"][0]
     engine.generate(first_item, max_tokens=8)  # warm-up
@@ -243,8 +244,8 @@ def speed_sweep(engine, items, configs: list[tuple[str, str | None, int | None]]
         for i, it in enumerate(items):
             j = (i + rep) % len(configs)
             for label, drafter, k in configs[j:] + configs[:j]:  # the prompt is prefilled once, then re-used
-                if label == "plan":
-                    engine.plan = plan0
+                if label in ("plan", "unmanaged"):  # unmanaged: the engine's default without a memory plan
+                    engine.plan = plan0 if label == "plan" else None
                 r = engine.generate(it["turns"][0], max_tokens=max_tokens, drafter=drafter, draft_len=k)
                 runs[label].append(r.stats.decode_tok_s)
                 if prog:
@@ -258,8 +259,8 @@ def memory_point(model_dir, context: int, k: int, drafter: str, threads: int, te
     """One `edge.memprobe` run in a fresh process → its JSON (measured peak RSS and the model's prediction)."""
     args = dict(model_dir=str(model_dir), context=context, k=k, drafter=drafter, threads=threads, text=text,
                 calibration=calibration)
-    r = subprocess.run([sys.executable, "-m", "edge.memprobe", json.dumps(args)], capture_output=True, text=True,
-                       timeout=timeout, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    r = subprocess.run([sys.executable, "-m", "edge.memprobe"], input=json.dumps(args), capture_output=True,
+                       text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     if r.returncode != 0:
         raise RuntimeError(f"memory probe at context {context}, K={k} failed:\n{r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -362,7 +363,7 @@ def main(argv=None) -> int:
     contexts = [c for c in contexts if c + max(mem_ks + [0]) * 2 + 40 <= m.target.max_len]
     sweep_items = round_robin(items)[: a.sweep_prompts]
     sweep_drafters = [d for d in a.sweep_drafters.split(",") if d.strip()]
-    n_configs = 2 + len(sweep_drafters) * len(sweep_ks)
+    n_configs = 3 + len(sweep_drafters) * len(sweep_ks)
     total = (("chat" in steps)
              + ("latency" in steps) * len(sizes) * (1 + len(m.drafters))
              + ("acceptance" in steps) * len(items) * len(chain_kinds(engine))
@@ -412,12 +413,12 @@ def main(argv=None) -> int:
             doc["plan"] = plan0.to_dict()
             if "speed" in steps:
                 chains = not eng.target.tree_exact
-                configs = [("none", "none", None), ("plan", None, None)]
+                configs = [("none", "none", None), ("plan", None, None), ("unmanaged", "hybrid", None)]
                 for d in sweep_drafters:
                     kind = "chain" if chains or d in ("lookup", "model") else "tree"
                     configs += [(f"{kind}:{d}:{k}", d, k) for k in sweep_ks]
                 res = speed_sweep(eng, sweep_items, configs, a.reps, a.max_tokens, plan0, prog)
-                best = max((v["tok_s"], k) for k, v in res.items() if k != "plan")
+                best = max((v["tok_s"], k) for k, v in res.items() if k not in ("plan", "unmanaged"))
                 doc["speed"] = {"results": res, "plan": {"drafter": plan0.drafter, "nodes": plan0.nodes},
                                 "best_swept": {"config": best[1], "tok_s": best[0]},
                                 "plan_vs_best": round(res["plan"]["tok_s"] / best[0], 3) if best[0] else None,
@@ -500,40 +501,55 @@ def _json_objects(text: str) -> list[dict]:
     return out
 
 
-def budget_chat(model_dir, items, turns: int, context: int, max_tokens: int, budget: float | None, calibration,
-                threads: int, prog=None) -> dict:
-    """A `turns`-turn edge-chat session (one line per prompt, /stats after each) under `budget` (default: the
-    speculative lower bound at `context` + 1 MB, from `edge-chat --plan --json`), then the same chat start under a
-    budget 10 MB below plain decoding's lower bound. → per-turn plan and memory, and the refusal message."""
-    from .manifest import load_manifest
-    from .planning import plan_report, profile_for
-
-    m = load_manifest(model_dir, verify="none")
-    rep = plan_report(m, profile_for(None, calibration=calibration, model_dir=model_dir), context, None)
-    if budget is None:
-        if rep["min_budget_speculative_mb"] is None:
-            raise ValueError("no speculative plan is predicted faster than plain decoding at this calibration; "
-                             "pass --chat-budget-mb")
-        budget = round(rep["min_budget_speculative_mb"] + 1.0, 1)
-    prompts = [" ".join(items[i % len(items)]["turns"][0].split()) for i in range(turns)]
-    stdin = "".join(f"{p}\n/stats\n" for p in prompts) + "/quit\n"
-    r = _chat_cli(model_dir, budget, context, calibration, threads, stdin, max_tokens)
-    stats = _json_objects(r.stderr)
+def _chat_rows(stderr: str) -> list[dict]:
     rows = []
-    for i, s in enumerate(stats, 1):
+    for i, s in enumerate(_json_objects(stderr), 1):
         p, mem = s.get("plan") or {}, s["memory_mb"]
         rows.append({"turn": i, "context_tokens": s["context_tokens"], "drafter": p.get("drafter"),
                      "nodes": p.get("nodes"), "planned_for_context": p.get("context"),
                      "predicted_peak_mb": mem.get("predicted_peak"), "measured_peak_rss_mb": mem["measured_peak_rss"],
                      "decode_tok_s": s["last_answer"].get("decode_tok_s")})
+    return rows
+
+
+def budget_chat(model_dir, items, turns: int, context: int, max_tokens: int, budget: float | None, calibration,
+                threads: int, prog=None) -> dict:
+    """A `turns`-turn edge-chat session (one line per prompt, /stats after each) under `budget`, then a chat start
+    under a budget 10 MB below plain decoding's bound where the engine first plans (refused with a clear error).
+
+    Default budget: just above (+0.1 MB) the speculative lower bound at the largest context the chat plans for,
+    learnt from a first, unconstrained pass (greedy decoding is lossless, so both passes say the same)."""
+    from memory.planner import min_budget_speculative
+
+    from .manifest import load_manifest
+    from .planning import capabilities, plan_report, profile_for
+
+    m = load_manifest(model_dir, verify="none")
+    profile = profile_for(None, calibration=calibration, model_dir=model_dir)
+    prompts = [" ".join(items[i % len(items)]["turns"][0].split()) for i in range(turns)]
+    stdin = "".join(f"{p}\n/stats\n" for p in prompts) + "/quit\n"
+    free = None
+    if budget is None:
+        free = _chat_rows(_chat_cli(model_dir, profile.budget_mb, context, calibration, threads, stdin,
+                                    max_tokens).stderr)
+        last = max(r["planned_for_context"] for r in free)
+        lb = min_budget_speculative(m, last, None, profile, min_call=2, capacity=context, **capabilities(m))
+        if lb is None:
+            raise ValueError("no speculative plan is predicted faster than plain decoding at this calibration; "
+                             "pass --chat-budget-mb")
+        budget = round(lb + 0.1, 1)
+    r = _chat_cli(model_dir, budget, context, calibration, threads, stdin, max_tokens)
+    rows = _chat_rows(r.stderr)
     if prog:
         prog.step("chat")
-    below = round(rep["min_budget_plain_mb"] - 10, 1)
+    # the engine plans first at half its window: a budget below plain decoding's bound there is refused at load
+    first = plan_report(m, profile, context // 2, None)
+    below = round(first["min_budget_plain_mb"] - 10, 1)
     r2 = _chat_cli(model_dir, below, context, calibration, threads, "hello\n/quit\n", max_tokens)
     peak = max((x["measured_peak_rss_mb"] for x in rows), default=None)
     errors = [line for line in r.stderr.splitlines() if line.startswith(("error:", "edge-chat: error"))]
     return {"budget_mb": budget, "context": context, "turns": len(rows), "returncode": r.returncode,
-            "lower_bounds_mb": {"plain": rep["min_budget_plain_mb"], "speculative": rep["min_budget_speculative_mb"]},
+            "unconstrained_nodes_by_turn": [x["nodes"] for x in free] if free else None,
             "peak_rss_mb": peak, "within_budget": peak is not None and peak <= budget,
             "nodes_by_turn": [x["nodes"] for x in rows], "rows": rows, "errors": errors,
             "below_plain": {"budget_mb": below, "returncode": r2.returncode, "stderr": r2.stderr.strip()[-600:]}}

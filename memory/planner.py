@@ -406,7 +406,8 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
     if plain.footprint.total_bytes > budget_bytes:
         fits = _max_context(setup, plain.speculation, plain.verify_rows, 1, context_len - 1, budget_bytes)
         hint = (f"at this budget plain decoding fits up to context {fits}" if fits >= 1 else
-                "not even a 1-token context fits: the weights alone exceed it") \
+                "not even a 1-token context fits: the weights" + (f" and the KV cache preallocated for {capacity} "
+                                                                  "tokens" if capacity else "") + " alone exceed it") \
             + f"; raise --budget-mb to at least {math.ceil(plain.peak_mb)} or lower --context"
         raise BudgetError(plain.peak_mb, budget, context_len, hint)
     if ceiling is not None:

@@ -72,7 +72,7 @@ def test_edge_profile_end_to_end_writes_calibration_json_and_pngs(tiny_dir, prom
     for p in pts:  # one process per point: each measured its own peak next to the model's prediction
         assert 10 < p["peak_rss_mb"] < 2000 and p["predicted_mb"] > 0 and p["prompt_tokens"] >= p["context"] - 8
     assert cal["memory"]["baseline_mb"] == fit_baseline(pts, 85.0)
-    assert set(doc["speed"]["results"]) == {"none", "plan", "chain:lookup:1", "chain:lookup:4"}
+    assert set(doc["speed"]["results"]) == {"none", "plan", "unmanaged", "chain:lookup:1", "chain:lookup:4"}
     assert doc["specmemo"]["planner_k"] >= 1 and "plain_peak_mb" in doc["specmemo"]
     for name in ("memory_vs_context.png", "predicted_vs_measured.png", "tokens_per_s_vs_k.png"):
         assert name in doc["plots"] and (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
