@@ -71,7 +71,9 @@ def measure(model_dir: str, context: int, k: int, drafter: str = "lookup", decod
     t0 = time.perf_counter()
     engine = Engine(model_dir, drafter="none", threads=threads, context=capacity)
     after_load = rss_bytes()
-    prompt = filler_text(engine.codec, context, text or DEFAULT_UNIT)
+    # only as much text as the context needs (≈ 4 characters a token): tokenizing all of a long prompt file would
+    # itself raise this process's peak by tens of MB
+    prompt = filler_text(engine.codec, context, (text or DEFAULT_UNIT)[: 8 * context + 4096])
     st = engine.generate(prompt, raw=True, max_tokens=decode, drafter=kind, draft_len=k if k else None).stats
     widest = max(engine._call_ms, default=1)  # widths of the decode calls actually made
     m = engine.manifest
