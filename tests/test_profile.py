@@ -17,7 +17,7 @@ import edge
 from edge import EngineError
 from edge.planning import CalibrationError, load_calibration, make_plan, profile_for
 from edge.pngplot import plot_png
-from edge.profile import fit_baseline, specmemo_pair, validation_table
+from edge.profile import fit_baseline, planner_vs_sweep, specmemo_pair, summarize_speed, validation_table
 from memory import AcceptanceStats, predict_peak
 
 PROMPTS = [{"id": "a", "category": "qa", "turns": ["the quick brown fox jumps over the lazy dog"]},
@@ -93,6 +93,12 @@ def test_pure_helpers():
     assert "| 256 | 16 (17) | lookup | 251.0 | 255.0 | +1.6% |" in validation_table(pts)
     pair = {"0": {"context": 256, "peak_rss_mb": 200.0}, "4": {"peak_rss_mb": 202.0}, "64": {"peak_rss_mb": 220.0}}
     speed = {"plan": {"drafter": "lookup"}, "results": {"plan": {"tok_s": 30.0}, "chain:lookup:64": {"tok_s": 25.0}}}
+    # ratios to plain within each (prompt, repeat) block: a slow block (machine busy) slows every config alike
+    res = summarize_speed({"none": [10.0, 40.0, 20.0], "plan": [15.0, 60.0, 30.0], "unmanaged": [20.0, 80.0, 40.0],
+                           "chain:lookup:4": [12.0, 52.0, 24.0]})
+    assert res["plan"]["ratio_vs_none"] == 1.5 and res["chain:lookup:4"]["ratio_vs_none"] == 1.2
+    assert planner_vs_sweep(res) == {"best_swept": {"config": "chain:lookup:4", "ratio_vs_none": 1.2, "tok_s": 24.0},
+                                     "plan_ratio_vs_none": 1.5, "plan_vs_best": 1.25}
     d = specmemo_pair(pair, 4, 64, speed)
     assert d["planner_extra_pct_of_plain"] == 1.0 and d["unmanaged_extra_pct_of_plain"] == 10.0
     assert d["less_speculative_memory_pct"] == 90.0 and d["throughput_kept_pct"] == 120.0
