@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="the same for a model drafter, whose every draft token costs a drafter call")
     ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer (acceptance and speed)")
     ap.add_argument("--sweep-ks", default="1,2,4,8,16,64", help="draft lengths / tree node budgets swept")
-    ap.add_argument("--sweep-drafters", default="hybrid,lookup", help="drafters swept (comma-separated)")
+    ap.add_argument("--sweep-drafters", default="recycling,hybrid,lookup", help="drafters swept (comma-separated)")
     ap.add_argument("--sweep-prompts", type=int, default=2, help="prompts in the speed sweep (one per category)")
     ap.add_argument("--reps", type=int, default=2, help="repeats of the speed sweep")
     ap.add_argument("--budget-mb", type=float, help="budget for the planner's choice (default: the host profile's)")
@@ -586,14 +586,15 @@ def specmemo_pair(points: dict, k_plan: int, k_top: int, speed: dict | None) -> 
          "unmanaged_extra_pct_of_plain": round(100 * extra[k_top] / plain, 2)}
     if extra[k_top] > 0:
         d["less_speculative_memory_pct"] = round(100 * (1 - extra[k_plan] / extra[k_top]), 1)
-    if speed:
+    if speed:  # the unmanaged run with the planner's drafter (else the fastest at k_top), by block ratios
         res = speed["results"]
-        top = next((v["tok_s"] for lab, v in res.items() if lab.endswith(f":{k_top}")
+        key = "ratio_vs_none" if "ratio_vs_none" in res["plan"] else "tok_s"
+        top = next((v[key] for lab, v in res.items() if lab.endswith(f":{k_top}")
                     and lab.split(":")[1] == speed["plan"]["drafter"]), None)
         if top is None:
-            top = max((v["tok_s"] for lab, v in res.items() if lab.endswith(f":{k_top}")), default=None)
+            top = max((v[key] for lab, v in res.items() if lab.endswith(f":{k_top}")), default=None)
         if top:
-            d["throughput_kept_pct"] = round(100 * res["plan"]["tok_s"] / top, 1)
+            d["throughput_kept_pct"] = round(100 * res["plan"][key] / top, 1)
     return d
 
 
