@@ -199,7 +199,7 @@ def detect_host(providers: list[str] | None = None) -> DeviceProfile:
         budget_mb=max(1, min(total_mb, int(avail_mb * HOST_BUDGET_FRACTION))), bandwidth_gbs=None,
         weight_precisions=PRECISIONS, activation_dtype="float32", cores=cores, providers_installed=installed,
         source="detected at run time: psutil.virtual_memory() and cpu_count(), "
-               "onnxruntime.get_available_providers(); bandwidth not measured (edge-profile measures it)",
+               "onnxruntime.get_available_providers(); bandwidth not measured",
         notes=f"budget = {HOST_BUDGET_FRACTION:.0%} of the RAM available at detection")
 
 

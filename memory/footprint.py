@@ -166,8 +166,9 @@ def graph_weight_bytes(manifest, graph) -> WeightBytes:
 # ---------------------------------------------------------------------------------------------- calibration
 @dataclass(frozen=True)
 class Calibration:
-    """Constants of the footprint model for one device class. `edge-profile` measures them; these defaults are
-    what the `source` line says."""
+    """Constants of the footprint model for one device class; these defaults are what the `source` line says.
+    `edge-profile` re-fits the baseline on a host (so the model bounds every point it measured) and writes it to the
+    "memory" section of its calibration JSON."""
     device_class: str = "cpu"
     baseline_mb: float = 85.0  # process before any session: Python, numpy, onnxruntime, tokenizers + tokenizer
     session_mb: float = 1.5  # per ORT session ...
@@ -191,7 +192,8 @@ class Calibration:
     # per thread (2 threads). GQA's CPU source allocates heads·4 B, but only the pages it touches become resident
     source: str = ("measured on this host (2-core x86, onnxruntime 1.31.1 CPU EP, 2 threads) on the embedded "
                    "SmolLM2-135M int4 export: RSS after imports, after session creation (KV subtracted), and after "
-                   "single calls of S = 1..512 rows at 0..3000 past tokens")
+                   "single calls of S = 1..512 rows at 0..3000 past tokens; the embedding's fault-around windows from prefills "
+                  "of 1k tokens of varied vs repeated text (edge-profile memory runs, README)")
 
     def __post_init__(self):
         if self.weights not in ("prepacked", "full"):
