@@ -24,6 +24,14 @@ def expected(engine):
     return {p: engine.generate(p, max_tokens=24, drafter="none").token_ids for p in PROMPTS}
 
 
+def run_together(*fns, timeout: float = 60) -> None:
+    threads = [threading.Thread(target=f) for f in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 def test_second_thread_is_refused_while_the_first_streams(engine, expected):
     holding, release = threading.Event(), threading.Event()
     got = {}
@@ -46,11 +54,7 @@ def test_second_thread_is_refused_while_the_first_streams(engine, expected):
             got["second"] = str(e)
         release.set()
 
-    threads = [threading.Thread(target=f) for f in (first, second)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_together(first, second)
     assert "another thread" in got["second"]
     assert got["first"] == expected[PROMPTS[0]]
     assert engine.generate(PROMPTS[1], max_tokens=24).token_ids == expected[PROMPTS[1]]
@@ -113,11 +117,7 @@ def test_one_chat_from_two_threads_keeps_its_history(engine):
             got["second"] = str(e)
         release.set()
 
-    threads = [threading.Thread(target=f) for f in (first, second)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_together(first, second)
     assert "another thread" in got["second"]
     assert [m["role"] for m in chat.messages] == ["user", "assistant"]
     assert chat.messages[0]["content"] == "the quick brown fox"
