@@ -55,8 +55,8 @@ class GraphRunner:
             if tok in stop:
                 break
             t = s + len(gen)
-            # presents end with the graph's pad-row slot (export/graph.py): drop it before feeding them back
-            past = [p[:, :, :-1] for p in out[1:]]
+            # the t - 1 tokens so far; a graph with a pad query row (export/graph.py) returns its slot after them
+            past = [p[:, :, : t - 1] for p in out[1:]]
             out = self.sess.run(names, self._feeds([tok], [t - 1], np.zeros((1, 1, 1, t), np.float32), past))
         return gen
 

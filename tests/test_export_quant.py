@@ -327,3 +327,16 @@ def test_footprint_predicts_the_quantized_embedding_to_the_byte(tiny_llama, head
     w = predict_weight_bytes(arch, precision="int4", lm_head_bits=head_bits, max_len=64, zero_points=not symmetric,
                              embedding_bits=opts.embedding_bits(c.hidden))
     assert opts.embedding_bits(c.hidden) == head_bits and w.embedding == written
+
+
+@pytest.mark.parametrize("pad", [True, False])
+def test_export_time_greedy_matches_one_shot_logits(tiny_llama, tmp_path, pad):
+    """GraphRunner.greedy (calibration text at export time, presents fed back as past) continues exactly as the
+    argmax of one-shot logits over the growing sequence, with and without the pad query row."""
+    p = tmp_path / "model.onnx"
+    save_model(build_graph(tiny_llama, GraphOptions(precision="fp32", max_len=64, pad_query=pad)), str(p))
+    r = runner(p, tiny_llama)
+    ids = list(np.random.default_rng(8).integers(0, VOCAB, 12))
+    gen = r.greedy(ids, 6)
+    for i, tok in enumerate(gen):
+        assert int(r.logits(ids + gen[:i])[-1].argmax()) == tok
