@@ -27,18 +27,26 @@ def default_model_dir() -> Path:
 
 
 def ensure_default_model(progress: bool = True) -> Path:
-    """The embedded default, exported into the cache on first use (the only place `edge` imports `export`)."""
-    from .manifest import load_manifest
+    """The embedded default, exported into the cache on first use, or again when an older graph builder wrote it.
+    The export runs in a child process (`python -m export.cli --default`): its ~1.3 GB peak, and what the allocator
+    keeps of it afterwards, never become this process's memory. (The only place `edge` reaches into `export`.)"""
+    import subprocess
+    import sys
+
+    from .manifest import GRAPH_VERSION, load_manifest
 
     d = default_model_dir()
     try:
-        load_manifest(d, verify="size")
-        return d
+        if load_manifest(d, verify="size").source.get("graph_version") == GRAPH_VERSION:
+            return d
     except ModelDirError:
         pass
-    from export.cli import export_default
-
-    export_default(progress=progress)
+    # progress and errors go to stderr; its stdout summary is not ours (edge-chat --json owns stdout)
+    r = subprocess.run([sys.executable, "-m", "export.cli", "--default"] + ([] if progress else ["--quiet"]),
+                       stdout=subprocess.DEVNULL)
+    if r.returncode != 0:
+        raise ModelDirError(f"building the embedded default model into {d} failed (exit {r.returncode}, message "
+                            "above); re-run: edge-export --default --force")
     return d
 
 

@@ -27,14 +27,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from edge.manifest import GRAPH_VERSION  # noqa: F401  (bumped with every change to what this builder writes)
+
 from .checkpoint import Checkpoint
 from .quant import quantize_asymmetric, quantize_blockwise
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
 MS = "com.microsoft"
-# bumped whenever the graphs this builder writes change, so a cached export from an older builder is rebuilt
-# (2: the pad query row; 3: block-quantized embedding rows)
-GRAPH_VERSION = 3
 IR_VERSION = 10  # ORT 1.31 loads IR <= 13; onnx 1.23 would write 14 by default
 OPSET = 17
 

@@ -147,3 +147,39 @@ def test_default_model_names_its_own_rebuild_command(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
     assert reexport_command(edge.default_model_dir()) == "edge-export --default --force"
     assert reexport_command(tmp_path / "m", "/src/ck") == f"edge-export /src/ck -o {tmp_path / 'm'}"
+
+
+def test_default_model_is_built_in_a_child_and_rebuilt_when_older(exported_llama, tmp_path, monkeypatch):
+    """edge.ensure_default_model: a current cache is used as is; a missing one, or one an older graph builder wrote,
+    is rebuilt by `python -m export.cli --default` in a child process (its memory never stays in ours); a failed
+    build is a ModelDirError naming the re-export command."""
+    import json
+    import shutil
+    import subprocess
+
+    from edge.manifest import GRAPH_VERSION, MANIFEST_NAME
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    calls = []
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, fake_run.rc)
+
+    fake_run.rc = 0
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert edge.ensure_default_model(progress=False) == edge.default_model_dir()  # missing: built
+    assert calls[-1][1:] == ["-m", "export.cli", "--default", "--quiet"]
+    d = edge.default_model_dir()
+    shutil.copytree(exported_llama[0], d)
+    raw = json.loads((d / MANIFEST_NAME).read_text())
+    assert raw["source"]["graph_version"] == GRAPH_VERSION
+    n = len(calls)
+    edge.ensure_default_model(progress=False)  # current: used as is
+    assert len(calls) == n
+    raw["source"]["graph_version"] = GRAPH_VERSION - 1
+    (d / MANIFEST_NAME).write_text(json.dumps(raw))
+    fake_run.rc = 2
+    with pytest.raises(ModelDirError, match="edge-export --default --force"):
+        edge.ensure_default_model(progress=False)  # older: rebuilt (and this build fails)
+    assert len(calls) == n + 1
