@@ -142,6 +142,12 @@ def exported_llama(tmp_path_factory, tiny_llama_dir):
     return out, m
 
 
+@pytest.fixture(scope="session")
+def tiny_dir(exported_llama):
+    """The session's tiny llama export directory (read-only)."""
+    return exported_llama[0]
+
+
 # ----------------------------------------------------------------------------- ORT with shared KV buffers
 
 class SharedKV:

@@ -14,10 +14,6 @@ from conftest import logits_alone_and_together
 from edge import EngineBusy, EngineError, ModelDirError
 from edge.engine import Engine
 
-@pytest.fixture(scope="module")
-def tiny_dir(exported_llama):
-    return exported_llama[0]  # the session's tiny llama export (tests/conftest.py)
-
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir):

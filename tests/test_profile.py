@@ -30,11 +30,6 @@ def _run(args, stdin=None, timeout=240):
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(exported_llama):
-    return exported_llama[0]
-
-
-@pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
     p = tmp_path_factory.mktemp("prompts") / "p.jsonl"
     p.write_text("".join(json.dumps(it) + "\n" for it in PROMPTS))

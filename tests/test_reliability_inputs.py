@@ -17,11 +17,6 @@ FUZZ = settings(max_examples=150, deadline=None, database=None)
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(exported_llama):
-    return exported_llama[0]
-
-
-@pytest.fixture(scope="module")
 def engine(tiny_dir):
     return edge.load(tiny_dir, drafter="none", context=256)
 

@@ -9,11 +9,6 @@ import edge
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(exported_llama):
-    return exported_llama[0]
-
-
-@pytest.fixture(scope="module")
 def reference(tiny_dir):
     return edge.load(tiny_dir, drafter="none", context=256)
 

@@ -88,11 +88,6 @@ def _idle(port, timeout=30.0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(exported_llama):
-    return exported_llama[0]
-
-
-@pytest.fixture(scope="module")
 def server(tiny_dir):
     proc, port = _start_server(tiny_dir, "--max-queue", MAX_QUEUE)
     yield port
