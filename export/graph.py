@@ -33,6 +33,7 @@ from .checkpoint import Checkpoint
 from .quant import quantize_asymmetric, quantize_blockwise
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4")
+SHARED_CONSTANT_MAX = 64  # elements: larger initializers (weights) are never requested twice by name
 MS = "com.microsoft"
 IR_VERSION = 10  # ORT 1.31 loads IR <= 13; onnx 1.23 would write 14 by default
 OPSET = 17
@@ -79,15 +80,16 @@ class _Builder:
         self.np_ft = np.float16 if float_type == TensorProto.FLOAT16 else np.float32
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
-        self._init_arrays: dict[str, np.ndarray] = {}
+        self._constants: dict[str, np.ndarray | None] = {}
         self._n = 0
 
     def init(self, name: str, arr: np.ndarray) -> str:
-        """A named initializer; asking again for the same name (a shared constant) reuses the first one."""
-        if name in self._init_arrays:
-            assert np.array_equal(self._init_arrays[name], arr), f"initializer {name!r} redefined"
+        """A named initializer; asking again for the same name (a shared constant) reuses the first one. Only
+        small constants are kept for that check: holding every weight array too would double the export's peak."""
+        if name in self._constants:
+            assert np.array_equal(self._constants[name], arr), f"initializer {name!r} redefined"
             return name
-        self._init_arrays[name] = arr
+        self._constants[name] = arr if arr.size <= SHARED_CONSTANT_MAX else None
         self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
         return name
 
