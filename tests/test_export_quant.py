@@ -106,8 +106,11 @@ def test_symmetric_round_trip_bound(n, k, block, bits, seed, amp):
     # extreme with magnitude near it is clipped by up to one step (MLAS' symmetric scheme does the same)
     half = 1 << (bits - 1)
     inside = np.abs(w) <= (half - 0.5) * step
-    assert np.all(err[inside] <= step[inside] * 0.5 * (1 + 1e-5))
-    assert np.all(err <= step * (1 + 1e-5))
+    # + one float32 ulp of the value: the dequantized q·scale is itself rounded to float32 (at |w| ≈ 519, 6e-5 —
+    # more than the 1e-5 relative slack on a 6.4 step, which hypothesis found)
+    ulp = np.spacing(np.abs(w))
+    assert np.all(err[inside] <= step[inside] * 0.5 * (1 + 1e-5) + ulp[inside])
+    assert np.all(err <= step * (1 + 1e-5) + ulp)
     blocks = np.pad(w, ((0, 0), (0, nb * block - k))).reshape(n, nb, block)
     idx = np.abs(blocks).argmax(-1)
     flat = np.pad(back, ((0, 0), (0, nb * block - k))).reshape(n, nb, block)
