@@ -24,7 +24,7 @@ from memory.planner import DEFAULT_PRIORS, DEFAULT_VERIFY_SHAPE, LatencyCurve, b
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .manifest import ModelDirError, check_drafter, load_manifest
-from .runner import GraphSession
+from .runner import GraphSession, open_session
 from .text import StreamDecoder, TextCodec
 
 DRAFTERS = ("auto", "hybrid", "recycling", "model", "lookup", "none")
@@ -152,7 +152,7 @@ class Engine:
         self.threads, self.providers = threads, providers
         t = m.target
         self.context = min(context or 4096, t.max_len)
-        self.target = GraphSession(str(self.model_dir / t.file), m, t, self.context, threads, providers)
+        self.target = open_session(str(self.model_dir / t.file), m, t, self.context, threads, providers)
         self.cached: list[int] = []
         self.lookup = LookupDrafter()
         # fed by every target call; persists across turns. Trees only where the graph verifies them exactly.
@@ -224,6 +224,8 @@ class Engine:
                                 "re-export with this edgespec, or use --drafter lookup")
         if kind != "auto":
             return kind
+        if not self.target.chains_exact:  # drafts would be verified by calls whose width changes the logits
+            return "none"
         # lookup and recycling drafts cost no model calls; a model drafter must earn its cost. Measured choice
         # (README): hybrid lookup+recycling trees beat the early-exit drafter on this model.
         best = max(self.manifest.drafters, key=lambda g: g.stats.get("top1_agreement", 0), default=None)

@@ -55,6 +55,7 @@ class GraphEntry:
     max_len: int = 0  # KV buffer capacity the rotary tables cover
     kv_dtype: str = "float32"
     tree_capable: bool = True
+    io: str = "edgespec"  # graph interface: "edgespec" (export/graph.py) | "optimum" (edge-export --via optimum)
     id_map: str | None = None  # .npy: drafter logit index → target token id (trimmed vocabulary)
     weight_bytes: int = 0  # onnx + external data on disk
     stats: dict = field(default_factory=dict)  # agreement / latency measured at export time

@@ -25,6 +25,10 @@ def session_options(threads: int):
 
 
 class GraphSession:
+    # a token's logits do not depend on the call's width (pad query row, export/graph.py; asserted by
+    # tests/test_export_graph.py and the slow real-model test), so chains are exact
+    chains_exact = True
+
     def __init__(self, path: str, manifest: Manifest, graph: GraphEntry, capacity: int, threads: int = 2,
                  providers=("CPUExecutionProvider",), max_call: int = 256):
         import onnxruntime as ort
@@ -72,15 +76,7 @@ class GraphSession:
         ~1 logit. Graphs from this exporter never take that path (a pad query row, export/graph.py); for older
         graphs, if a 1-token call disagrees with the same token inside a 2-token call, every call is padded to at
         least 2 rows here."""
-        if self.cache.capacity < 8:
-            return 1
-        ids = [1, 2, 3]
-        self.forward(ids[:2])
-        self.cache.append(2)
-        one = self.forward(ids[2:])[0].copy()  # [V]
-        two = self.forward(ids[2:] + [0])[0].copy()  # [V]
-        self.cache.trim(2)
-        return 1 if np.array_equal(one, two) else 2
+        return probe_min_call(self)
 
     def causal_bias(self, s: int) -> np.ndarray:
         """[1, 1, S, length + S]: the committed prefix plus a causal block for the S new tokens."""
@@ -178,3 +174,114 @@ class GraphSession:
             last = self.forward(part, keep=1)[-1]
             self.cache.append(len(part))
         return last
+
+
+def probe_min_call(session) -> int:
+    """1 if a token's logits in a 1-token call equal (bit for bit) its logits as the first row of a 2-token call,
+    else 2 (the runtime then pads single-token calls)."""
+    if session.cache.capacity < 8:
+        return 1
+    ids = [1, 2, 3]
+    session.forward(ids[:2])
+    session.cache.append(2)
+    one = session.forward(ids[2:])[0].copy()  # [V]
+    two = session.forward(ids[2:] + [0])[0].copy()  # [V]
+    session.cache.trim(2)
+    return 1 if np.array_equal(one, two) else 2
+
+
+def width_independent(session, widths=(2, 3, 5, 8)) -> bool:
+    """Do the logits of a token depend on how many draft tokens follow it in a causal verify call? Greedy chain
+    speculation is lossless only if they do not (the first row of every width equals the narrowest call)."""
+    if session.cache.capacity < 16 + max(widths):
+        return True
+    prefix = [(5 * i) % 31 + 3 for i in range(12)]
+    session.prefill(prefix)
+    rows = []
+    for w in (session.min_call,) + tuple(widths):
+        out = session.forward([4] + [(7 * j) % 29 + 3 for j in range(w - 1)])
+        rows.append(out[0].copy())
+    session.cache.trim(len(prefix))
+    return all(np.array_equal(rows[0], r) for r in rows[1:])
+
+
+class OptimumSession:
+    """A graph exported by Hugging Face optimum (`edge-export --via optimum`): 2-D attention mask, past K/V as
+    separate inputs of the committed length, present K/V outputs of length past + S. The general path for
+    architectures export/graph.py does not build: plain decoding and chain verification (the graph is causal;
+    it cannot verify a tree), no on-graph top-k.
+
+    The committed K/V lives in the same KVCache buffer as for our own graphs (so trim/keep/append are shared);
+    each call copies the committed prefix out as contiguous past arrays and the S new slots back in — one copy
+    of the cache per call, which the fast path avoids and this general path accepts."""
+
+    topk = 0
+    top_ids = None
+    tree_exact = False
+
+    def __init__(self, path: str, layers: int, kv_heads: int, head_dim: int, vocab: int, capacity: int,
+                 threads: int = 2, providers=("CPUExecutionProvider",), max_len: int | None = None,
+                 kv_dtype=np.float32, probe: bool = True):
+        import onnxruntime as ort
+
+        self.sess = ort.InferenceSession(path, session_options(threads), providers=list(providers))
+        if max_len is not None and capacity > max_len:
+            raise ValueError(f"context {capacity} exceeds what {path} was exported for ({max_len})")
+        self.layers, self.vocab = layers, vocab
+        self.inputs = {i.name for i in self.sess.get_inputs()}
+        missing = {"input_ids", "past_key_values.0.key"} - self.inputs
+        if missing:
+            raise ValueError(f"{path}: not a text-generation-with-past graph (no {', '.join(sorted(missing))})")
+        self.cache = KVCache(layers, kv_heads, head_dim, capacity, kv_dtype)
+        self._names = ["logits"] + [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+        self.min_call = 1
+        self.chains_exact = True
+        if probe:
+            self.min_call = probe_min_call(self)
+            self.chains_exact = width_independent(self)
+
+    @classmethod
+    def from_manifest(cls, path: str, manifest: Manifest, graph: GraphEntry, capacity: int, threads: int = 2,
+                      providers=("CPUExecutionProvider",)):
+        a = manifest.arch
+        dtype = np.float16 if graph.kv_dtype == "float16" else np.float32
+        return cls(path, graph.layers, a["kv_heads"], a["head_dim"], graph.vocab, capacity, threads, providers,
+                   max_len=graph.max_len or None, kv_dtype=dtype)
+
+    def forward(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True) -> np.ndarray:
+        ids = np.asarray(tokens, np.int64).reshape(1, -1)
+        s = ids.shape[1]
+        if bias is not None:
+            raise ValueError("this graph (exported via optimum) has a 2-D causal mask and cannot verify a tree")
+        if s < self.min_call:  # one dummy token after it: causal, so the first row does not see it
+            out = self.forward(np.append(ids.reshape(-1), ids[0, 0]), positions, None, 0, logits)
+            return out[:1]
+        self.cache.check_room(s)
+        L = self.cache.length
+        if positions is None:
+            positions = np.arange(L, L + s, dtype=np.int64)
+        feeds = {"input_ids": ids}
+        if "attention_mask" in self.inputs:
+            feeds["attention_mask"] = np.ones((1, L + s), np.int64)
+        if "position_ids" in self.inputs:
+            feeds["position_ids"] = np.asarray(positions, np.int64).reshape(1, -1)
+        for i in range(self.layers):
+            for j, kind in enumerate(("key", "value")):
+                feeds[f"past_key_values.{i}.{kind}"] = np.ascontiguousarray(self.cache.layer(i, j)[:, :, :L])
+        out = self.sess.run(self._names, feeds)
+        for i in range(self.layers):
+            for j in range(2):
+                self.cache.layer(i, j)[:, :, L : L + s] = out[1 + 2 * i + j][:, :, L : L + s]
+        r = s if keep == 0 else min(keep, s)
+        return out[0][0, s - r :]
+
+    def prefill(self, tokens, chunk: int = 512) -> np.ndarray:
+        return GraphSession.prefill(self, tokens, chunk)
+
+
+def open_session(path: str, manifest: Manifest, graph: GraphEntry, capacity: int, threads: int = 2,
+                 providers=("CPUExecutionProvider",)):
+    """The session class a graph entry needs: our own graph layout, or an optimum export."""
+    if graph.io == "optimum":
+        return OptimumSession.from_manifest(path, manifest, graph, capacity, threads, providers)
+    return GraphSession(path, manifest, graph, capacity, threads, providers)

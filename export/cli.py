@@ -74,12 +74,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--lm-head-bits", type=int, choices=[0, 4, 8], default=None,
                     help="LM head precision for int4/int8 (0 = float; default 8)")
     ap.add_argument("--max-len", type=int, default=8192, help="context capacity the graphs support (default 8192)")
-    ap.add_argument("--drafter-layers", type=_positive, nargs="*", default=[DEFAULT_DRAFTER[0]],
+    ap.add_argument("--drafter-layers", type=_positive, nargs="*", default=None,
                     help=f"early-exit drafter depth(s) in layers (default {DEFAULT_DRAFTER[0]}; none: no drafter)")
     ap.add_argument("--drafter-vocab", type=int, nargs="*", default=[DEFAULT_DRAFTER[1]],
                     help=f"trimmed drafter vocabulary size(s) (default {DEFAULT_DRAFTER[1]}; 0 = full)")
     ap.add_argument("--calib-tokens", type=int, default=64,
                     help="tokens the target generates per calibration prompt for vocabulary ranking (default 64)")
+    ap.add_argument("--via", choices=["builder", "optimum"], default="builder",
+                    help="builder (default): edgespec's own fast, tree-capable graph for llama/Mistral/Qwen2 "
+                         "checkpoints and GGUFs; optimum: Hugging Face optimum's export for other decoder-only "
+                         "architectures (GPT-2, Phi-3, Gemma, ...; needs pip install 'edgespec[optimum]'): "
+                         "plain and lookup decoding, no trees, no early-exit drafter")
     ap.add_argument("--no-parity", action="store_true", help="skip the parity report against the fp32 reference")
     ap.add_argument("--threads", type=int, default=2, help="threads for export-time measurements (default 2)")
     ap.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
@@ -97,7 +102,11 @@ def _summary(m) -> dict:
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
+    if a.drafter_layers is None:  # the builder's early-exit drafter; the optimum path builds none
+        a.drafter_layers = [] if a.via == "optimum" else [DEFAULT_DRAFTER[0]]
     drafters = tuple((l, v) for l in (a.drafter_layers or []) for v in (a.drafter_vocab or [0]))
+    if a.default and a.via == "optimum":
+        _parser().error("--default is built by edgespec's own graph builder; --via optimum is for other checkpoints")
     try:
         opts = ExportOptions(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
                              lm_head_bits=a.lm_head_bits, max_len=a.max_len, drafters=drafters,
@@ -108,7 +117,7 @@ def main(argv=None) -> int:
         else:
             if not a.source or not a.out:
                 _parser().error("give SOURCE and -o OUT (or --default)")
-            m = export_model(Path(a.source), Path(a.out), opts, progress=not a.quiet)
+            m = export_model(Path(a.source), Path(a.out), opts, progress=not a.quiet, via=a.via)
     except (CheckpointError, ModelDirError, ValueError) as e:
         print(f"edge-export: error: {e}", file=sys.stderr)
         return 2

@@ -142,12 +142,26 @@ def _distill_data(target: Path, c, layers: list[int], texts: list[tuple[list[int
 
 
 def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, opts: ExportOptions = ExportOptions(),
-                 progress: bool = True, checkpoint: Checkpoint | None = None) -> Manifest:
+                 progress: bool = True, checkpoint: Checkpoint | None = None, via: str = "builder") -> Manifest:
+    """via: "builder" (our own graph, export/graph.py) or "optimum" (export/via_optimum.py: other architectures)."""
     out_dir = Path(out_dir)
     part = out_dir.with_name(out_dir.name + ".partial")
     if part.exists():
         shutil.rmtree(part)  # an earlier interrupted export: start clean
     part.mkdir(parents=True)
+    if via == "optimum":
+        from .via_optimum import export_via_optimum
+
+        steps = _Steps(6, progress)
+        try:
+            _, m = export_via_optimum(source, out_dir, opts, steps)
+        except BaseException:
+            steps.close(failed=True)
+            shutil.rmtree(part, ignore_errors=True)
+            raise
+        steps.close()
+        _swap_into_place(part, out_dir)
+        return m
     distilling = opts.distill and bool(opts.drafters)
     steps = _Steps(6 + (3 if distilling else 2) * len(opts.drafters) + distilling, progress)
     t0 = time.time()

@@ -33,23 +33,28 @@ def _hf_chat_template(d: Path) -> str | None:
     return None
 
 
+def hf_tokenizer_files(src: Path, out_dir: Path, cfg: dict) -> TokenizerFiles:
+    """Copy a Hugging Face directory's tokenizer.json; chat template and special ids from its config files."""
+    tj = src / "tokenizer.json"
+    if not tj.is_file():
+        raise CheckpointError(f"{src}: no tokenizer.json (the runtime reads fast-tokenizer files only; "
+                              "save one with AutoTokenizer.from_pretrained(...).save_pretrained(dir))")
+    shutil.copyfile(tj, out_dir / "tokenizer.json")
+    eos = cfg.get("eos_token_id")
+    gen = src / "generation_config.json"
+    if gen.is_file():
+        e = json.loads(gen.read_text()).get("eos_token_id")
+        if e is not None:
+            eos = e
+    eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    return TokenizerFiles(_hf_chat_template(src), cfg.get("bos_token_id"), eos, cfg.get("pad_token_id"))
+
+
 def write_tokenizer(ck: Checkpoint, out_dir: Path) -> TokenizerFiles:
     out = out_dir / "tokenizer.json"
     src = Path(ck.source)
     if ck.source_format == "hf":
-        tj = src / "tokenizer.json"
-        if not tj.is_file():
-            raise CheckpointError(f"{src}: no tokenizer.json (the runtime reads fast-tokenizer files only; "
-                                  "save one with AutoTokenizer.from_pretrained(...).save_pretrained(dir))")
-        shutil.copyfile(tj, out)
-        gen = src / "generation_config.json"
-        eos = ck.config.eos_token_ids
-        if gen.is_file():
-            e = json.loads(gen.read_text()).get("eos_token_id")
-            if e is not None:
-                eos = tuple(e) if isinstance(e, list) else (e,)
-        cfg = json.loads((src / "config.json").read_text())
-        return TokenizerFiles(_hf_chat_template(src), ck.config.bos_token_id, tuple(eos), cfg.get("pad_token_id"))
+        return hf_tokenizer_files(src, out_dir, json.loads((src / "config.json").read_text()))
 
     # GGUF → tokenizer.json via transformers' GGUF tokenizer converter
     backend = _gguf_backend_tokenizer(src)
