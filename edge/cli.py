@@ -6,6 +6,8 @@ import json
 import sys
 import time
 
+from .engine import DRAFTERS
+
 HELP = "commands: /reset (forget the conversation)  /stats (last answer's counters)  /help  /quit"
 
 
@@ -17,6 +19,30 @@ def peak_rss_mb() -> float:
     return peak_rss_bytes() / 2**20
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that become `edge.load` keywords (drafter, threads, context, device, budget, calibration,
+    simulate), in their own help group; edge-chat and edge-serve both take them."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--drafter", choices=list(DRAFTERS), default="auto",
+                       help="speculative drafter: lookup = prompt/history n-gram lookup, recycling = Token Recycling "
+                            "(the target's own top-k successors), hybrid = lookup span when there is one, else "
+                            "recycling, model = exported early-exit drafter, none = plain decoding (the lossless "
+                            "reference), auto = chosen from what the export measured (default)")
+    group.add_argument("--threads", type=int, default=2, help="CPU threads for ONNX Runtime (default 2)")
+    group.add_argument("--context", type=int, default=4096, help="context window in tokens (default 4096)")
+    group.add_argument("--device", help="device profile for the memory planner: host, laptop-cpu-16gb, "
+                                        "nvidia-laptop-gpu-8gb, apple-m3-16gb, snapdragon-x-npu, intel-core-ultra-npu, "
+                                        "android-phone-8gb, or a profile JSON path")
+    group.add_argument("--budget-mb", type=float, help="memory budget in MB; the planner picks drafter and draft length "
+                                                       "that fit and shrinks them as the chat grows")
+    group.add_argument("--calibration", metavar="JSON",
+                       help="edge-profile's calibration.json for the planner (measured latency, acceptance, memory "
+                            "baseline); default: the one `edge-profile --install` left for this model, if any")
+    group.add_argument("--simulate", action="store_true",
+                       help="run a device profile whose execution provider is not installed on the CPU (same budget "
+                            "and shape limits)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="edge-chat",
@@ -25,10 +51,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=HELP + "\nCtrl-C stops the current answer and keeps the conversation; Ctrl-D or /quit exits.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", metavar="DIR", help="exported model directory (edge-export); default: embedded model")
-    ap.add_argument("--drafter", choices=["auto", "model", "lookup", "none"], default="auto",
-                    help="speculative drafter: model = exported early-exit drafter, lookup = prompt/history n-gram "
-                         "lookup, none = plain decoding (the lossless reference), auto = chosen from the export's "
-                         "measured drafter quality (default)")
+    add_engine_args(ap)
     ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off (default)")
@@ -38,19 +61,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--system", help="system prompt")
     ap.add_argument("--overflow", choices=["refuse", "drop_oldest"], default="refuse",
                     help="REPL history beyond the context: refuse the turn (default) or drop the oldest turns")
-    ap.add_argument("--threads", type=int, default=2, help="CPU threads for ONNX Runtime (default 2)")
-    ap.add_argument("--context", type=int, default=4096, help="context window in tokens (default 4096)")
-    ap.add_argument("--device", help="device profile for the memory planner: host, laptop-cpu-16gb, "
-                                     "nvidia-laptop-gpu-8gb, apple-m3-16gb, snapdragon-x-npu, intel-core-ultra-npu, "
-                                     "android-phone-8gb, or a profile JSON path")
-    ap.add_argument("--budget-mb", type=float, help="memory budget in MB; the planner picks drafter and draft length "
-                                                    "that fit and shrinks them as the chat grows")
-    ap.add_argument("--calibration", metavar="JSON",
-                    help="edge-profile's calibration.json for the planner (measured latency, acceptance, memory "
-                         "baseline); default: the one `edge-profile --install` left for this model, if any")
-    ap.add_argument("--simulate", action="store_true",
-                    help="run a device profile whose execution provider is not installed on the CPU (same budget "
-                         "and shape limits)")
     ap.add_argument("--plan", action="store_true",
                     help="print the memory plan (drafter, K / tree nodes, predicted peak MB for plain and "
                          "speculative decoding, both lower bounds) for --device/--budget-mb/--context and exit "

@@ -466,7 +466,7 @@ def _load_params() -> set[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .cli import _parser as chat_parser
+    from .cli import add_engine_args
 
     ap = argparse.ArgumentParser(
         prog="edge-serve",
@@ -488,10 +488,7 @@ def _parser() -> argparse.ArgumentParser:
                          "(for measuring what reuse saves)")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                     help="uvicorn's log level; info logs every request (default warning)")
-    group = ap.add_argument_group("engine (the same flags as edge-chat)")
-    for action in chat_parser()._actions:  # edge-chat's own definitions, so new engine flags come along
-        if action.dest in _load_params():
-            group._add_action(action)
+    add_engine_args(ap)  # the same engine flags as edge-chat
     return ap
 
 

@@ -60,3 +60,21 @@ def test_bench_writes_json_and_markdown(model, tmp_path):
         assert cat["none"]["ratio_vs_none"] == 1.0
         assert cat["lookup"]["identical_to_none"] == "1/1" and cat["recycling"]["identical_to_none"] == "1/1"
     assert out.with_suffix(".md").read_text().startswith("| category |")
+
+
+def test_engine_flags_shared_by_chat_and_serve():
+    """Every engine drafter is selectable from edge-chat, and edge-serve takes exactly the engine flags that are
+    edge.load keywords (one definition in edge.cli.add_engine_args)."""
+    import inspect
+
+    import edge
+    from edge.cli import _parser as chat_parser
+    from edge.engine import DRAFTERS
+    from edge.serve import _parser as serve_parser
+
+    for d in DRAFTERS:
+        assert chat_parser().parse_args(["--drafter", d]).drafter == d
+    load_kw = set(inspect.signature(edge.load).parameters)
+    chat = {a.dest for a in chat_parser()._actions} & load_kw
+    serve = {a.dest for a in serve_parser()._actions} & load_kw
+    assert chat == serve and {"drafter", "threads", "context", "budget_mb"} <= serve
