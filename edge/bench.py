@@ -16,12 +16,18 @@ from pathlib import Path
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "public.jsonl"
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="edge-bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The prompt file, model and thread flags edge-bench and edge-profile share."""
     ap.add_argument("prompts", nargs="?", default=str(DEFAULT_PROMPTS),
                     help="JSONL file of {id, category, turns: [...]} (default: ../shared/workloads/public.jsonl)")
     ap.add_argument("--model", metavar="DIR", help="exported model directory (default: embedded model)")
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads for ONNX Runtime (default 2)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="edge-bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_args(ap)
     ap.add_argument("--modes", default="none,lookup,recycling,hybrid", help="comma-separated drafter modes (default none,lookup,recycling,hybrid)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per prompt and mode (default 3)")
     ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per answer (default 128)")
@@ -31,7 +37,6 @@ def _parser() -> argparse.ArgumentParser:
                     help="after each first answer, send TEXT as a second turn (e.g. a rewrite request); measured "
                          "under category '<cat>+turn2'")
     ap.add_argument("--draft-len", type=int, help="draft length override")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="bench-out/edge-bench.json", help="JSON output (default bench-out/edge-bench.json)")
     ap.add_argument("--quiet", action="store_true")
     return ap

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from .bench import DEFAULT_PROMPTS
+from .bench import add_workload_args
 
 STEPS = ("latency", "acceptance", "speed", "memory")
 EXTRA_STEPS = ("chat",)  # only when asked: a budgeted edge-chat session (see budget_chat)
@@ -46,12 +46,9 @@ def _ints(s: str) -> list[int]:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edge-profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("prompts", nargs="?", default=str(DEFAULT_PROMPTS),
-                    help="JSONL file of {id, category, turns: [...]} (default: ../shared/workloads/public.jsonl)")
-    ap.add_argument("--model", metavar="DIR", help="exported model directory (default: embedded model)")
+    add_workload_args(ap)
     ap.add_argument("--out", default="bench-out/edge-profile", help="output directory (default bench-out/edge-profile)")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sizes", default="1,2,3,4,6,8,12,16,24,32,48,65", help="rows per call for the latency curve")
     ap.add_argument("--latency-context", type=int, default=256)
     ap.add_argument("--latency-reps", type=int, default=7)
