@@ -143,7 +143,8 @@ def _distill_data(target: Path, c, layers: list[int], texts: list[tuple[list[int
 
 def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, opts: ExportOptions = ExportOptions(),
                  progress: bool = True, checkpoint: Checkpoint | None = None, via: str = "builder") -> Manifest:
-    """via: "builder" (our own graph, export/graph.py) or "optimum" (export/via_optimum.py: other architectures)."""
+    """via: "builder" (our own graph, export/graph.py) or "optimum" (export/via_optimum.py: other architectures).
+    Everything is written into `<out>.partial/` and swapped into place only when complete."""
     out_dir = Path(out_dir)
     part = out_dir.with_name(out_dir.name + ".partial")
     if part.exists():
@@ -153,171 +154,172 @@ def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, opts: Ex
         from .via_optimum import export_via_optimum
 
         steps = _Steps(6, progress)
-        try:
-            _, m = export_via_optimum(source, out_dir, opts, steps)
-        except BaseException:
-            steps.close(failed=True)
-            shutil.rmtree(part, ignore_errors=True)
-            raise
-        steps.close()
-        _swap_into_place(part, out_dir)
-        return m
-    distilling = opts.distill and bool(opts.drafters)
-    steps = _Steps(6 + (3 if distilling else 2) * len(opts.drafters) + distilling, progress)
-    t0 = time.time()
+        build = lambda: export_via_optimum(source, part, opts, steps)  # noqa: E731
+    else:
+        distilling = opts.distill and bool(opts.drafters)
+        steps = _Steps(6 + (3 if distilling else 2) * len(opts.drafters) + distilling, progress)
+        build = lambda: _build(source, part, opts, steps, checkpoint)  # noqa: E731
     try:
-        steps.start("loading checkpoint")
-        ck = checkpoint or load_checkpoint(source)
-        c = ck.config
-        max_len = min(opts.max_len, c.max_positions)
-        bad = [n for n, _ in opts.drafters if not 1 <= n <= c.layers]
-        if bad:  # before the long steps (and the distillation probe, which reads layer n's output)
-            raise ValueError(f"drafter layers={bad[0]}: the model has {c.layers}")
-        steps.done()
-
-        steps.start("tokenizer")
-        tf = write_tokenizer(ck, part)
-        codec = TextCodec(part / "tokenizer.json", tf.chat_template, tf.bos, tf.eos)
-        steps.done()
-
-        steps.start(f"target graph ({opts.precision})")
-        target_file = "target/model.onnx"
-        (part / "target").mkdir()
-        save_model(build_graph(ck, opts.graph_options(max_len)), str(part / target_file))
-        runner = GraphRunner(str(part / target_file), c.layers, c.kv_heads, c.head_dim, opts.threads)
-        steps.done()
-
-        prompts = [codec.encode_chat([{"role": "user", "content": p}]) for p in calibration.PROMPTS]
-        room = max_len - opts.calib_new_tokens  # calibration prompt + continuation must fit the graph's context
-        if room < 16:
-            raise ValueError(f"--max-len {max_len} leaves no room for calibration ({opts.calib_new_tokens} new "
-                             "tokens per prompt); use --max-len 256 or more")
-        prompts = [p[-room:] for p in prompts]
-        calib, held = prompts[: -calibration.HELD_OUT], prompts[-calibration.HELD_OUT :]
-
-        steps.start("parity vs fp32 reference")
-        report = {}
-        if opts.parity:
-            ref = [reference.forward(ck, ids) for ids in held[:3]]
-            got = [runner.logits(ids) for ids in held[:3]]
-            report = parity(ref, got)
-            report["prompts"] = len(ref)
-        steps.done()
-
-        steps.start("calibration text (target greedy)")
-        stop = tf.eos
-        produced = []
-        for ids in calib + held:
-            target_next = runner.logits(ids).argmax(-1)  # teacher-forced predictions over the prompt
-            gen = runner.greedy(ids, opts.calib_new_tokens, stop)
-            produced.append((list(target_next), gen, ids))
-        steps.done()
-        # vocabulary ranking: what the target produces (its own continuations + its next-token predictions)
-        ranked = rank_vocabulary([p[0] + p[1] for p in produced[: len(calib)]], c.vocab,
-                                 always=tuple(tf.eos) + ((tf.bos,) if tf.bos is not None else ()))
-        # held-out text: prompt + the target's own continuation. Agreement is scored where the target generated
-        # (the positions a drafter proposes for), not over the system prompt every chat shares.
-        held_text = [ids + gen for _, gen, ids in produced[len(calib) :]]
-        held_target = [runner.logits(t).argmax(-1) for t in held_text]
-        held_scored = [_generated(len(ids), len(ids) + len(gen)) for _, gen, ids in produced[len(calib) :]]
-        past = min(128, max_len - VERIFY_SIZES)  # a short --max-len still leaves room for the probe
-        target_ms = [runner.latency_ms(s, past=past, reps=20 if s == 1 else 10) for s in range(1, VERIFY_SIZES + 1)]
-        del runner
-
-        fit_data = None
-        if distilling:
-            steps.start("distillation data (target hidden states)")
-            t = time.perf_counter()
-            fit_data = _distill_data(part / target_file, c, sorted({n for n, _ in opts.drafters}),
-                                     [(ids, gen) for _, gen, ids in produced[: len(calib)]], opts.threads)
-            fit_data["seconds"] = time.perf_counter() - t
-            steps.done()
-
-        graphs = [GraphEntry(role="target", name="target", file=target_file, layers=c.layers, vocab=c.vocab,
-                             precision=opts.precision, block_size=opts.block_size,
-                             accuracy_level=opts.accuracy_level if opts.precision in ("int4", "int8") else 0,
-                             lm_head_bits=opts.graph_options(max_len).head_bits or 0,
-                             embedding_bits=opts.graph_options(max_len).embedding_bits(c.hidden), max_len=max_len,
-                             stats={"latency_ms_s1": round(target_ms[0], 3),
-                                    "latency_ms_by_s": [round(t, 3) for t in target_ms]})]
-        for layers, k in opts.drafters:
-            k = min(k or c.vocab, c.vocab)
-            name = f"drafter-l{layers}-v{k}"
-            steps.start(f"drafter {name}")
-            (part / name).mkdir()
-            ids_kept = np.sort(ranked[:k]).astype(np.int64)
-            np.save(part / name / "id_map.npy", ids_kept)
-            path = part / name / "model.onnx"
-            gopts, head_ids = opts.graph_options(max_len, layers), (ids_kept if k < c.vocab else None)
-            save_model(build_graph(ck, gopts, head_ids), str(path))
-            steps.done()
-
-            steps.start(f"drafter {name}: agreement")
-            measure = dict(layers=layers, c=c, threads=opts.threads, ids_kept=ids_kept,
-                           held=list(zip(held_text, held_target, held_scored)))
-            raw = _agreement(path, **measure)
-            covered = np.concatenate([np.isin(t[m], ids_kept) for t, m in zip(held_target, held_scored)])
-            stats = {"top1_agreement": raw, "top1_agreement_raw": raw,
-                     "vocab_coverage": round(float(covered.mean()), 4), "held_out_positions": int(covered.size)}
-            steps.done()
-
-            if fit_data is not None:
-                steps.start(f"drafter {name}: distillation")
-                t = time.perf_counter()
-                fit = distill.fit_adapter(fit_data["hidden"][layers], fit_data["hidden"][c.layers], fit_data["teacher"],
-                                          fit_data["scored"], ck.lm_head[ids_kept], ck.weights["model.norm.weight"],
-                                          c.rms_eps, ids_kept)
-                if fit.adapter is not None:
-                    for f in (path, path.with_name(path.name + ".data")):
-                        f.unlink()  # onnx appends to an existing external-data file
-                    save_model(build_graph(ck, gopts, head_ids, adapter=fit.adapter), str(path))
-                    stats["top1_agreement"] = _agreement(path, **measure)
-                stats["distill"] = {**fit.stats(), "seconds": round(time.perf_counter() - t, 2),
-                                    "data_seconds": round(fit_data["seconds"], 2)}
-                steps.done()
-            dr = GraphRunner(str(path), layers, c.kv_heads, c.head_dim, opts.threads)
-            stats["latency_ms_s1"] = round(dr.latency_ms(1, past=min(128, max_len - 1)), 3)
-            stats["latency_vs_target"] = round(stats["latency_ms_s1"] / target_ms[0], 3)
-            del dr
-            graphs.append(GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=layers, vocab=k,
-                                     precision=opts.precision, block_size=opts.block_size,
-                                     accuracy_level=graphs[0].accuracy_level, lm_head_bits=graphs[0].lm_head_bits,
-                                     embedding_bits=graphs[0].embedding_bits,
-                                     max_len=max_len, id_map=f"{name}/id_map.npy", stats=stats))
-
-        steps.start("manifest")
-        files = []
-        for f in sorted(part.rglob("*")):
-            if f.is_file():
-                rel = f.relative_to(part).as_posix()
-                files.append(FileEntry(rel, f.stat().st_size, sha256_file(f)))
-        sizes = {f.path: f.bytes for f in files}
-        graphs = [GraphEntry(**{**asdict(g), "weight_bytes": sizes[g.file] + sizes.get(g.file + ".data", 0)})
-                  for g in graphs]
-        report["export_seconds"] = round(time.time() - t0, 1)
-        m = Manifest(
-            format_version=FORMAT_VERSION,
-            name=opts.name or Path(ck.source).stem,
-            arch=c.to_dict(),
-            graphs=tuple(graphs),
-            files=tuple(files),
-            tokenizer="tokenizer.json",
-            chat_template=tf.chat_template,
-            special_tokens={"bos": tf.bos, "eos": list(tf.eos), "pad": tf.pad},
-            source={"path": str(Path(ck.source).resolve()), "format": ck.source_format,
-                    "sha256": source_digest(ck.source), "options": {**asdict(opts), "drafters": [list(d) for d in opts.drafters]},
-                    "graph_version": GRAPH_VERSION},
-            converter=_versions(),
-            parity=report,
-        )
-        m.write(part)
-        steps.done()
+        m = build()
     except BaseException:
         steps.close(failed=True)
         shutil.rmtree(part, ignore_errors=True)
         raise
     steps.close()
     _swap_into_place(part, out_dir)
+    return m
+
+
+def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: Checkpoint | None) -> Manifest:
+    """The builder path: checkpoint → graphs, drafters, tokenizer, parity, manifest, all inside `part`."""
+    distilling = opts.distill and bool(opts.drafters)
+    t0 = time.time()
+    steps.start("loading checkpoint")
+    ck = checkpoint or load_checkpoint(source)
+    c = ck.config
+    max_len = min(opts.max_len, c.max_positions)
+    bad = [n for n, _ in opts.drafters if not 1 <= n <= c.layers]
+    if bad:  # before the long steps (and the distillation probe, which reads layer n's output)
+        raise ValueError(f"drafter layers={bad[0]}: the model has {c.layers}")
+    steps.done()
+
+    steps.start("tokenizer")
+    tf = write_tokenizer(ck, part)
+    codec = TextCodec(part / "tokenizer.json", tf.chat_template, tf.bos, tf.eos)
+    steps.done()
+
+    steps.start(f"target graph ({opts.precision})")
+    target_file = "target/model.onnx"
+    (part / "target").mkdir()
+    save_model(build_graph(ck, opts.graph_options(max_len)), str(part / target_file))
+    runner = GraphRunner(str(part / target_file), c.layers, c.kv_heads, c.head_dim, opts.threads)
+    steps.done()
+
+    prompts = [codec.encode_chat([{"role": "user", "content": p}]) for p in calibration.PROMPTS]
+    room = max_len - opts.calib_new_tokens  # calibration prompt + continuation must fit the graph's context
+    if room < 16:
+        raise ValueError(f"--max-len {max_len} leaves no room for calibration ({opts.calib_new_tokens} new "
+                         "tokens per prompt); use --max-len 256 or more")
+    prompts = [p[-room:] for p in prompts]
+    calib, held = prompts[: -calibration.HELD_OUT], prompts[-calibration.HELD_OUT :]
+
+    steps.start("parity vs fp32 reference")
+    report = {}
+    if opts.parity:
+        ref = [reference.forward(ck, ids) for ids in held[:3]]
+        got = [runner.logits(ids) for ids in held[:3]]
+        report = parity(ref, got)
+        report["prompts"] = len(ref)
+    steps.done()
+
+    steps.start("calibration text (target greedy)")
+    stop = tf.eos
+    produced = []
+    for ids in calib + held:
+        target_next = runner.logits(ids).argmax(-1)  # teacher-forced predictions over the prompt
+        gen = runner.greedy(ids, opts.calib_new_tokens, stop)
+        produced.append((list(target_next), gen, ids))
+    steps.done()
+    # vocabulary ranking: what the target produces (its own continuations + its next-token predictions)
+    ranked = rank_vocabulary([p[0] + p[1] for p in produced[: len(calib)]], c.vocab,
+                             always=tuple(tf.eos) + ((tf.bos,) if tf.bos is not None else ()))
+    # held-out text: prompt + the target's own continuation. Agreement is scored where the target generated
+    # (the positions a drafter proposes for), not over the system prompt every chat shares.
+    held_text = [ids + gen for _, gen, ids in produced[len(calib) :]]
+    held_target = [runner.logits(t).argmax(-1) for t in held_text]
+    held_scored = [_generated(len(ids), len(ids) + len(gen)) for _, gen, ids in produced[len(calib) :]]
+    past = min(128, max_len - VERIFY_SIZES)  # a short --max-len still leaves room for the probe
+    target_ms = [runner.latency_ms(s, past=past, reps=20 if s == 1 else 10) for s in range(1, VERIFY_SIZES + 1)]
+    del runner
+
+    fit_data = None
+    if distilling:
+        steps.start("distillation data (target hidden states)")
+        t = time.perf_counter()
+        fit_data = _distill_data(part / target_file, c, sorted({n for n, _ in opts.drafters}),
+                                 [(ids, gen) for _, gen, ids in produced[: len(calib)]], opts.threads)
+        fit_data["seconds"] = time.perf_counter() - t
+        steps.done()
+
+    graphs = [GraphEntry(role="target", name="target", file=target_file, layers=c.layers, vocab=c.vocab,
+                         precision=opts.precision, block_size=opts.block_size,
+                         accuracy_level=opts.accuracy_level if opts.precision in ("int4", "int8") else 0,
+                         lm_head_bits=opts.graph_options(max_len).head_bits or 0,
+                         embedding_bits=opts.graph_options(max_len).embedding_bits(c.hidden), max_len=max_len,
+                         stats={"latency_ms_s1": round(target_ms[0], 3),
+                                "latency_ms_by_s": [round(t, 3) for t in target_ms]})]
+    for layers, k in opts.drafters:
+        k = min(k or c.vocab, c.vocab)
+        name = f"drafter-l{layers}-v{k}"
+        steps.start(f"drafter {name}")
+        (part / name).mkdir()
+        ids_kept = np.sort(ranked[:k]).astype(np.int64)
+        np.save(part / name / "id_map.npy", ids_kept)
+        path = part / name / "model.onnx"
+        gopts, head_ids = opts.graph_options(max_len, layers), (ids_kept if k < c.vocab else None)
+        save_model(build_graph(ck, gopts, head_ids), str(path))
+        steps.done()
+
+        steps.start(f"drafter {name}: agreement")
+        measure = dict(layers=layers, c=c, threads=opts.threads, ids_kept=ids_kept,
+                       held=list(zip(held_text, held_target, held_scored)))
+        raw = _agreement(path, **measure)
+        covered = np.concatenate([np.isin(t[m], ids_kept) for t, m in zip(held_target, held_scored)])
+        stats = {"top1_agreement": raw, "top1_agreement_raw": raw,
+                 "vocab_coverage": round(float(covered.mean()), 4), "held_out_positions": int(covered.size)}
+        steps.done()
+
+        if fit_data is not None:
+            steps.start(f"drafter {name}: distillation")
+            t = time.perf_counter()
+            fit = distill.fit_adapter(fit_data["hidden"][layers], fit_data["hidden"][c.layers], fit_data["teacher"],
+                                      fit_data["scored"], ck.lm_head[ids_kept], ck.weights["model.norm.weight"],
+                                      c.rms_eps, ids_kept)
+            if fit.adapter is not None:
+                for f in (path, path.with_name(path.name + ".data")):
+                    f.unlink()  # onnx appends to an existing external-data file
+                save_model(build_graph(ck, gopts, head_ids, adapter=fit.adapter), str(path))
+                stats["top1_agreement"] = _agreement(path, **measure)
+            stats["distill"] = {**fit.stats(), "seconds": round(time.perf_counter() - t, 2),
+                                "data_seconds": round(fit_data["seconds"], 2)}
+            steps.done()
+        dr = GraphRunner(str(path), layers, c.kv_heads, c.head_dim, opts.threads)
+        stats["latency_ms_s1"] = round(dr.latency_ms(1, past=min(128, max_len - 1)), 3)
+        stats["latency_vs_target"] = round(stats["latency_ms_s1"] / target_ms[0], 3)
+        del dr
+        graphs.append(GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=layers, vocab=k,
+                                 precision=opts.precision, block_size=opts.block_size,
+                                 accuracy_level=graphs[0].accuracy_level, lm_head_bits=graphs[0].lm_head_bits,
+                                 embedding_bits=graphs[0].embedding_bits,
+                                 max_len=max_len, id_map=f"{name}/id_map.npy", stats=stats))
+
+    steps.start("manifest")
+    files = []
+    for f in sorted(part.rglob("*")):
+        if f.is_file():
+            rel = f.relative_to(part).as_posix()
+            files.append(FileEntry(rel, f.stat().st_size, sha256_file(f)))
+    sizes = {f.path: f.bytes for f in files}
+    graphs = [GraphEntry(**{**asdict(g), "weight_bytes": sizes[g.file] + sizes.get(g.file + ".data", 0)})
+              for g in graphs]
+    report["export_seconds"] = round(time.time() - t0, 1)
+    m = Manifest(
+        format_version=FORMAT_VERSION,
+        name=opts.name or Path(ck.source).stem,
+        arch=c.to_dict(),
+        graphs=tuple(graphs),
+        files=tuple(files),
+        tokenizer="tokenizer.json",
+        chat_template=tf.chat_template,
+        special_tokens={"bos": tf.bos, "eos": list(tf.eos), "pad": tf.pad},
+        source={"path": str(Path(ck.source).resolve()), "format": ck.source_format,
+                "sha256": source_digest(ck.source), "options": {**asdict(opts), "drafters": [list(d) for d in opts.drafters]},
+                "graph_version": GRAPH_VERSION},
+        converter=_versions(),
+        parity=report,
+    )
+    m.write(part)
+    steps.done()
     return m
 
 

@@ -141,20 +141,19 @@ def _source_logits(src: Path, prompts: list[list[int]]) -> list[np.ndarray]:
         return [model(torch.tensor([ids])).logits[0].numpy() for ids in prompts]
 
 
-def export_via_optimum(source, out_dir, opts, steps) -> tuple[Path, Manifest]:
-    """Writes the export into `<out_dir>.partial` (the caller swaps it into place) → (partial dir, manifest)."""
+def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
+    """Writes the export into `part` (export.pipeline.export_model swaps it into place when complete)."""
     from edge.runner import OptimumSession
 
     from .pipeline import _versions, source_digest
 
-    src, out_dir = Path(source), Path(out_dir)
+    src = Path(source)
     if opts.precision not in OPTIMUM_PRECISIONS:
         raise ValueError(f"--precision {opts.precision} is not available --via optimum (choose "
                          f"{', '.join(OPTIMUM_PRECISIONS)})")
     if opts.drafters:
         raise ValueError("--via optimum builds no early-exit drafter (lookup drafting still works); "
                          "pass --drafter-layers with no value")
-    part = out_dir.with_name(out_dir.name + ".partial")
     t0 = time.time()
     steps.start("loading checkpoint")
     cfg = read_hf_config(src)
@@ -243,4 +242,4 @@ def export_via_optimum(source, out_dir, opts, steps) -> tuple[Path, Manifest]:
     )
     m.write(part)
     steps.done()
-    return part, m
+    return m
