@@ -28,6 +28,9 @@ from .runner import GraphSession, open_session
 from .text import StreamDecoder, TextCodec
 
 DRAFTERS = ("auto", "hybrid", "recycling", "model", "lookup", "none")
+# a drafter the adaptive length switched off is still tried with PROBE_K tokens every PROBE_EVERY steps, so its
+# acceptance estimate can recover when the text changes (a 3-row call costs ~1.15x a padded 1-token call here)
+PROBE_EVERY, PROBE_K = 8, 2
 
 
 class EngineError(Exception):
@@ -166,6 +169,7 @@ class Engine:
         self._call_ms: dict[int, float] = {}
         self._curve = None
         self._draft_ms = 0.0  # model drafter: ms per drafted token (EMA)
+        self._idle: dict[str, int] = {}  # consecutive steps the adaptive length chose K = 0, per drafter
         # memory planning: with a device profile or budget, the plan picks drafter and K and is re-made as the
         # context grows (shrinking only); without, the drafter runs unconstrained
         self.profile, self.budget_mb, self.plan = profile, budget_mb, None
@@ -206,6 +210,14 @@ class Engine:
                 prior = max((g.stats.get("top1_agreement", 0.3) for g in self.manifest.drafters), default=0.3)
             st = self.acceptance[kind] = AcceptanceStats(prior)
         return st
+
+    def _probe(self, kind: str, k_max: int) -> int:
+        """The adaptive length chose not to draft. Without drafts its acceptance estimate would never change again
+        (for the rest of the engine's life: a lookup drafter that failed on open-ended prompts would stay off on
+        the input-grounded ones that follow), so every PROBE_EVERY-th such step drafts PROBE_K tokens anyway."""
+        n = self._idle.get(kind, 0) + 1
+        self._idle[kind] = 0 if n >= PROBE_EVERY else n
+        return min(PROBE_K, k_max) if n >= PROBE_EVERY else 0
 
     def _choose_k(self, kind: str, k_max: int) -> int:
         """SpecDec-style adaptive length: the K with the best expected tokens per ms (memory.planner)."""
@@ -397,6 +409,8 @@ class Engine:
 
                 # ---- one speculative step: draft, verify in one target call, commit, update the drafter
                 k_step = k if p.draft_len is not None or not d_chain else self._choose_k(kind, k)
+                if k_step == 0 and kind != "none" and k > 0:
+                    k_step = self._probe(kind, k)
                 budget = min(k_step, p.max_tokens - len(out) - 1, self.target.cache.room() - 2)
                 ts = time.perf_counter()
                 d = drafter.draft(budget) if budget > 0 else Draft.empty()

@@ -189,3 +189,20 @@ def test_eos_is_a_token_not_text(engine):
     assert eos_text not in r.text
     if r.finish_reason == "stop" and r.token_ids[-1] in engine.codec.eos:
         assert r.text == engine.codec.decode(r.token_ids[:-1])
+
+
+def test_adaptive_length_keeps_probing_a_drafter_it_switched_off(tiny_dir):
+    """A drafter whose acceptance estimate fell so low that the adaptive length stops drafting must still be tried
+    now and then; otherwise the estimate never changes again and the drafter stays off for the engine's life
+    (seen in edge-bench: lookup, switched off on open-ended prompts, never drafted on the summaries after them)."""
+    from memory.acceptance import AcceptanceStats
+
+    e = edge.load(tiny_dir, drafter="none", context=512)
+    ref = e.generate(PROMPTS[0], max_tokens=60, drafter="none")
+    e.acceptance["model"] = AcceptanceStats(0.0)  # as if every draft so far had been rejected (a chain drafter)
+    assert e._choose_k("model", 6) == 0
+    r = e.generate(PROMPTS[0], max_tokens=60, drafter="model")
+    assert r.token_ids == ref.token_ids
+    assert r.stats.drafted > 0
+    assert r.stats.steps > r.stats.drafted // 2  # probes, not full-length drafting
+    assert e.acceptance["model"].table()[0, 0] > 0 or r.stats.accepted == 0  # accepted probes move the estimate
