@@ -169,7 +169,7 @@ class Engine:
         self._call_ms: dict[int, float] = {}
         self._curve = None
         self._draft_ms = 0.0  # model drafter: ms per drafted token (EMA)
-        self._idle: dict[str, int] = {}  # consecutive steps the adaptive length chose K = 0, per drafter
+        self._idle: dict[str, int] = {}  # steps since the last probe on which the adaptive length chose K = 0
         # memory planning: with a device profile or budget, the plan picks drafter and K and is re-made as the
         # context grows (shrinking only); without, the drafter runs unconstrained
         self.profile, self.budget_mb, self.plan = profile, budget_mb, None

@@ -254,6 +254,8 @@ class OptimumSession:
         if bias is not None:
             raise ValueError("this graph (exported via optimum) has a 2-D causal mask and cannot verify a tree")
         if s < self.min_call:  # one dummy token after it: causal, so the first row does not see it
+            if positions is not None:
+                positions = np.append(np.asarray(positions, np.int64).reshape(-1), 0)
             out = self.forward(np.append(ids.reshape(-1), ids[0, 0]), positions, None, 0, logits)
             return out[:1]
         self.cache.check_room(s)

@@ -93,6 +93,9 @@ def test_cached_decoding_matches_transformers(gpt2):
     assert s.cache.length == len(ids)
     np.testing.assert_allclose(np.concatenate(got[:3]), ref[:8], atol=1e-4)
     np.testing.assert_allclose(got[3], ref[6:], atol=1e-4)
+    # explicit positions (also through the 1-token padding) give the same logits as the default ones
+    one = s.forward(ids[-1:]).copy()
+    np.testing.assert_array_equal(s.forward(ids[-1:], positions=np.array([len(ids)])), one)
     with pytest.raises(ValueError, match="cannot verify a tree"):
         s.forward([1, 2], bias=np.zeros((1, 1, 2, s.cache.length + 2), np.float32))
 
