@@ -119,7 +119,12 @@ def _gemm_to_matmul(model) -> int:
 def _quantize(src: Path, dst: Path, bits: int, block_size: int, accuracy_level: int) -> None:
     """MatMul weights → MatMulNBits (per-block asymmetric, `bits`), written with external data next to `dst`."""
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    try:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+    except ImportError as e:  # it imports onnx_ir, which onnxruntime does not declare
+        raise CheckpointError(f"--via optimum --precision int4/int8 needs {e.name}: pip install "
+                              "'edgespec[optimum]'") from e
 
     model = onnx.load(str(src))
     _gemm_to_matmul(model)
