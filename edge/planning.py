@@ -74,8 +74,8 @@ def capabilities(manifest: Manifest, tree_exact: bool | None = None) -> dict:
     """Drafters the planner may choose for this export. Int8 activations make tree verification inexact (see
     GraphSession._probe_tree_exact); without a loaded session that is read off the manifest."""
     t = manifest.target
-    if t.io == "optimum":  # no on-graph top-k (recycling), no tree mask, no early-exit drafter
-        return {"drafters": ("none", "lookup"), "tree_drafters": ()}
+    if t.io == "optimum":  # chains only (2-D mask), no early-exit drafter
+        return {"drafters": ("none", "lookup", "recycling", "hybrid"), "tree_drafters": ()}
     if tree_exact is None:
         tree_exact = not (t.precision in ("int4", "int8") and t.accuracy_level == 4)
     drafters = ["none", "lookup", "recycling", "hybrid"] + (["model"] if manifest.drafters else [])

@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="builder (default): edgespec's own fast, tree-capable graph for llama/Mistral/Qwen2 "
                          "checkpoints and GGUFs; optimum: Hugging Face optimum's export for other decoder-only "
                          "architectures (GPT-2, Phi-3, Gemma, ...; needs pip install 'edgespec[optimum]'): "
-                         "plain and lookup decoding, no trees, no early-exit drafter")
+                         "chain speculation (lookup, recycling, hybrid), no trees, no early-exit drafter")
     ap.add_argument("--no-parity", action="store_true", help="skip the parity report against the fp32 reference")
     ap.add_argument("--threads", type=int, default=2, help="threads for export-time measurements (default 2)")
     ap.add_argument("--json", action="store_true", help="print the manifest summary as JSON")

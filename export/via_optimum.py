@@ -4,11 +4,11 @@
 optimum traces the transformers model with torch into a graph with a 2-D attention mask, past K/V inputs and
 present K/V outputs; int4/int8 weights are then block-quantized into MatMulNBits by ONNX Runtime's weight-only
 quantizer (activations as `--accuracy-level` says). The runtime drives that graph through `edge.runner.
-OptimumSession`: plain decoding and chain verification (lookup drafts); no trees (the mask is 2-D), no on-graph
-top-k, no early-exit drafter, and one copy of the KV cache per call. The fast path (export/graph.py) stays the
+OptimumSession`: plain decoding and chain verification (lookup, recycling, hybrid drafts); no trees (the mask is
+2-D), no early-exit drafter, and one copy of the KV cache per call. The fast path (export/graph.py) stays the
 default wherever it applies.
 
-Needs the `optimum` extra: pip install 'edgespec[optimum]' (optimum-onnx, torch, accelerate).
+Needs the `optimum` extra: pip install 'edgespec[optimum]' (optimum-onnx, onnx-ir, torch, accelerate).
 """
 from __future__ import annotations
 
@@ -157,7 +157,7 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
         raise ValueError(f"--precision {opts.precision} is not available --via optimum (choose "
                          f"{', '.join(OPTIMUM_PRECISIONS)})")
     if opts.drafters:
-        raise ValueError("--via optimum builds no early-exit drafter (lookup drafting still works); "
+        raise ValueError("--via optimum builds no early-exit drafter (lookup, recycling and hybrid drafting still work); "
                          "pass --drafter-layers with no value")
     t0 = time.time()
     steps.start("loading checkpoint")

@@ -93,6 +93,9 @@ def test_cached_decoding_matches_transformers(gpt2):
     assert s.cache.length == len(ids)
     np.testing.assert_allclose(np.concatenate(got[:3]), ref[:8], atol=1e-4)
     np.testing.assert_allclose(got[3], ref[6:], atol=1e-4)
+    # Token Recycling's candidates: the top-k of each returned row, best first
+    np.testing.assert_array_equal(s.top_ids[:, 0], got[3].argmax(-1))
+    assert s.top_ids.shape == (4, s.topk) and np.all(np.diff(np.take_along_axis(got[3], s.top_ids, -1)) <= 0)
     # explicit positions (also through the 1-token padding) give the same logits as the default ones
     one = s.forward(ids[-1:]).copy()
     np.testing.assert_array_equal(s.forward(ids[-1:], positions=np.array([len(ids)])), one)
@@ -119,12 +122,13 @@ def test_lookup_decoding_is_lossless(gpt2, tmp_path, precision):
         assert "MatMulNBits" in ops
     eng = load(str(out), drafter="auto")
     assert type(eng.target).__name__ == "OptimumSession" and eng.target.chains_exact
-    assert eng.default_drafter == "lookup"  # no on-graph top-k: no recycling; chains are exact here
+    assert eng.default_drafter == "hybrid" and not eng.target.tree_exact  # chains exact here, trees never
     prompt = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
     plain = eng.generate(prompt, max_tokens=40, drafter="none")
-    spec = eng.generate(prompt, max_tokens=40, drafter="lookup")
-    assert spec.token_ids == plain.token_ids
-    assert spec.drafted > 0
+    for drafter in ("lookup", "recycling", "hybrid"):
+        spec = eng.generate(prompt, max_tokens=40, drafter=drafter, draft_len=4)
+        assert spec.token_ids == plain.token_ids, drafter
+        assert spec.drafted > 0, drafter
 
 
 def test_phi3_exports_and_chats(tmp_path):
@@ -175,7 +179,7 @@ def test_width_dependent_graph_decodes_plainly(gpt2, monkeypatch):
     from edge.planning import capabilities
 
     root, _, m = gpt2
-    assert capabilities(m) == {"drafters": ("none", "lookup"), "tree_drafters": ()}
+    assert capabilities(m) == {"drafters": ("none", "lookup", "recycling", "hybrid"), "tree_drafters": ()}
     monkeypatch.setattr(runner, "width_independent", lambda session: False)
     eng = load(str(root / "gpt2-fp32"), drafter="auto")
     assert not eng.target.chains_exact and eng.default_drafter == "none"
