@@ -33,8 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", help="device profile for the memory planner: host, laptop-cpu-16gb, "
                                         "nvidia-laptop-gpu-8gb, apple-m3-16gb, snapdragon-x-npu, intel-core-ultra-npu, "
                                         "android-phone-8gb, or a profile JSON path")
-    group.add_argument("--budget-mb", type=float, help="memory budget in MB; the planner picks drafter and draft length "
-                                                       "that fit and shrinks them as the chat grows")
+    group.add_argument("--budget-mb", type=float,
+                       help="memory budget in MB; the planner picks drafter and draft length that fit and shrinks "
+                            "them as the chat grows")
     group.add_argument("--calibration", metavar="JSON",
                        help="edge-profile's calibration.json for the planner (measured latency, acceptance, memory "
                             "baseline); default: the one `edge-profile --install` left for this model, if any")

@@ -157,8 +157,8 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
         raise ValueError(f"--precision {opts.precision} is not available --via optimum (choose "
                          f"{', '.join(OPTIMUM_PRECISIONS)})")
     if opts.drafters:
-        raise ValueError("--via optimum builds no early-exit drafter (lookup, recycling and hybrid drafting still work); "
-                         "pass --drafter-layers with no value")
+        raise ValueError("--via optimum builds no early-exit drafter (lookup, recycling and hybrid drafting still "
+                         "work); pass --drafter-layers with no value")
     t0 = time.time()
     steps.start("loading checkpoint")
     cfg = read_hf_config(src)
