@@ -144,11 +144,6 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import edge
 
-    if a.model_dir is None:
-        # a first-run export in this process would set its peak RSS (VmHWM ~1.3 GB): export in a child first
-        import subprocess
-
-        subprocess.run([sys.executable, "-c", "import edge; edge.ensure_default_model()"], check=True)
     engine = edge.load(a.model_dir, drafter=a.drafter, threads=a.threads, context=a.context, device="host")
     r = soak(engine, a.turns, a.max_tokens, a.group, a.interrupt_every, a.every, log=sys.stderr)
     if a.json:
