@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 DEVICE_CLASSES = ("cpu", "gpu", "npu")
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "w8a8")
 ACTIVATION_DTYPES = ("float32", "float16")
 CPU_EP = "CPUExecutionProvider"
 HOST = "host"

@@ -47,7 +47,7 @@ class GraphEntry:
     file: str  # model.onnx path, relative
     layers: int
     vocab: int  # width of the logits output
-    precision: str  # fp32 | fp16 | int8 | int4
+    precision: str  # fp32 | fp16 | int8 | int4 | w8a8 (int8 weights per channel, int8 activations per row)
     block_size: int = 0
     accuracy_level: int = 0
     lm_head_bits: int = 0  # 0 = float head
@@ -59,6 +59,12 @@ class GraphEntry:
     id_map: str | None = None  # .npy: drafter logit index → target token id (trimmed vocabulary)
     weight_bytes: int = 0  # onnx + external data on disk
     stats: dict = field(default_factory=dict)  # agreement / latency measured at export time
+
+    @property
+    def int8_activations(self) -> bool:
+        """Activations quantized to int8 inside the matmuls: any change in attention summation order (a tree's
+        masked siblings) can move a value across a rounding step, so trees are never exact on such graphs."""
+        return self.precision == "w8a8" or (self.precision in ("int4", "int8") and self.accuracy_level == 4)
 
 
 @dataclass(frozen=True)

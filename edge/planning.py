@@ -77,7 +77,7 @@ def capabilities(manifest: Manifest, tree_exact: bool | None = None) -> dict:
     if t.io == "optimum":  # chains only (2-D mask), no early-exit drafter
         return {"drafters": ("none", "lookup", "recycling", "hybrid"), "tree_drafters": ()}
     if tree_exact is None:
-        tree_exact = not (t.precision in ("int4", "int8") and t.accuracy_level == 4)
+        tree_exact = not t.int8_activations
     drafters = ["none", "lookup", "recycling", "hybrid"] + (["model"] if manifest.drafters else [])
     return {"drafters": tuple(drafters), "tree_drafters": ("recycling", "hybrid") if tree_exact else ()}
 

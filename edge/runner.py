@@ -59,8 +59,7 @@ class GraphSession:
         self.min_call = self._probe_min_call()
         # int8 activations (MatMulNBits accuracy_level 4) amplify any change in attention summation order, so a
         # tree is never exact there even when one probe happens to agree; otherwise the probe decides
-        int8_acts = graph.precision in ("int4", "int8") and graph.accuracy_level == 4
-        self.tree_exact = not int8_acts and self._probe_tree_exact()
+        self.tree_exact = not graph.int8_activations and self._probe_tree_exact()
 
     def _new_binding(self):
         b = self.sess.io_binding()

@@ -66,13 +66,17 @@ def _parser() -> argparse.ArgumentParser:
                          "directory ($EDGESPEC_HOME, default ~/.cache/edgespec); reuses a verified previous export")
     ap.add_argument("--force", action="store_true", help="with --default: rebuild even if the cache is up to date")
     ap.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
-                    help=f"weight precision (default {DEFAULT_PRECISION}: fastest measured on CPU, see README)")
+                    help=f"weight precision (default {DEFAULT_PRECISION}, see README): int4/int8 = MatMulNBits block "
+                         "weights; w8a8 = int8 weights per channel with int8 activations per row (integer "
+                         "accumulation: exact for speculation, cheap multi-token verify calls)")
     ap.add_argument("--block-size", type=int, default=32, choices=[16, 32, 64, 128, 256],
-                    help="int4/int8 quantization block size (MatMulNBits supports 16-256; default 32)")
+                    help="int4/int8 quantization block size (MatMulNBits supports 16-256; default 32; for w8a8 only the "
+                         "embedding's)")
     ap.add_argument("--accuracy-level", type=int, default=4, choices=[0, 1, 2, 3, 4],
-                    help="MatMulNBits activation precision: 4 = int8 activations (fast), 0 = fp32 (default 4)")
+                    help="MatMulNBits activation precision: 4 = int8 activations (fast), 0 = fp32 (default 4; "
+                         "int4/int8 only)")
     ap.add_argument("--lm-head-bits", type=int, choices=[0, 4, 8], default=None,
-                    help="LM head precision for int4/int8 (0 = float; default 8)")
+                    help="LM head precision for int4/int8/w8a8 (0 = float; default 8)")
     ap.add_argument("--max-len", type=int, default=8192, help="context capacity the graphs support (default 8192)")
     ap.add_argument("--drafter-layers", type=_positive, nargs="*", default=None,
                     help=f"early-exit drafter depth(s) in layers (default {DEFAULT_DRAFTER[0]}; none: no drafter)")

@@ -14,7 +14,8 @@ Ops (the fast class onnxruntime-genai's builder uses, written here from the arch
 embedding Gather · SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization (fused RMSNorm + residual) ·
 one packed QKV MatMul · GroupQueryAttention with fused rotary (cos/sin caches, explicit position_ids) and
 `attention_bias` over a max-length KV buffer shared by past and present · packed gate/up MatMul · SiLU ·
-MatMulNBits (block-wise int4/int8 weights) or plain MatMul (fp32/fp16).
+MatMulNBits (block-wise int4/int8 weights) or plain MatMul (fp32/fp16); or, for `w8a8`, int8 per-channel weights with
+int8 per-row activations (`_Builder.linear_w8a8`: MatMulIntegerToFloat, exact integer accumulation).
 
 GroupQueryAttention wants `seqlens_k` (= T - 1) and `total_sequence_length` (= T); both are derived inside the graph
 from the attention bias' last dimension (+ 1 for the pad query row), so a caller only states the mask.
@@ -32,7 +33,7 @@ from edge.manifest import GRAPH_VERSION  # noqa: F401  (bumped with every change
 from .checkpoint import Checkpoint
 from .quant import quantize_asymmetric, quantize_blockwise
 
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "w8a8")
 SHARED_CONSTANT_MAX = 64  # elements: larger initializers (weights) are never requested twice by name
 MS = "com.microsoft"
 IR_VERSION = 10  # ORT 1.31 loads IR <= 13; onnx 1.23 would write 14 by default
@@ -57,7 +58,7 @@ class GraphOptions:
 
     @property
     def bits(self) -> int | None:
-        return {"int4": 4, "int8": 8}.get(self.precision)
+        return {"int4": 4, "int8": 8, "w8a8": 8}.get(self.precision)
 
     def embedding_bits(self, hidden: int) -> int:
         """Bits of the block-quantized embedding rows (GatherBlockQuantized, stored like the LM head); 0 = a float
@@ -107,6 +108,8 @@ class _Builder:
         if bits is None:
             wt = self.init(f"{name}.weight", w.T.astype(self.np_ft))
             return self.node("MatMul", [x, wt], name=name)[0]
+        if self.o.precision == "w8a8" and bits == 8:
+            return self.linear_w8a8(x, w, name)
         if self.o.symmetric:
             b, s = quantize_blockwise(w, bits, self.o.block_size)
             extra = []
@@ -116,6 +119,32 @@ class _Builder:
         q = [self.init(f"{name}.qweight", b), self.init(f"{name}.scales", s.astype(self.np_ft))] + extra
         return self.node("MatMulNBits", [x] + q, domain=MS, name=name, K=k, N=n, bits=bits,
                          block_size=self.o.block_size, accuracy_level=self.o.accuracy_level)[0]
+
+    def linear_w8a8(self, x: str, w: np.ndarray, name: str) -> str:
+        """y = x @ w.T with int8 weights (one symmetric scale per output channel) and int8 activations with one
+        scale per row, computed in the graph from that row alone: q = floor(x·127/max|x| + 128.5) (uint8 around
+        128), y = MatMulIntegerToFloat(q, W_int8, zero point 128, w_scale/127) · max|x|.
+
+        Why: the products are summed in int32, which is exact in any order, and every scale depends on one row
+        only, so a token's result cannot depend on how many rows share its call or how the kernel tiles them
+        (MatMulNBits' int8-activation kernels accumulate float partial sums per block, and their cost grows ~1 ms per
+        extra row here; MLAS' u8s8 GEMM reuses each packed weight tile across rows). A row of zeros gives max 0,
+        NaN codes and y = garbage·0 = 0."""
+        ws = (np.abs(w).max(1) / 127).astype(np.float32)  # [N]
+        ws = np.where(ws == 0, np.float32(1), ws).astype(np.float32)
+        wq = np.clip(np.rint(w / ws[:, None]), -127, 127).astype(np.int8).T  # [K, N]
+        m = self.node("ReduceMax", [self.node("Abs", [x], name=f"{name}/abs")[0]], name=f"{name}/absmax",
+                      axes=[-1], keepdims=1)[0]  # [1, S, 1]
+        r = self.node("Div", [self.init("w8a8_127", np.array(127, np.float32)), m], name=f"{name}/inv_scale")[0]
+        q = self.node("Mul", [x, r], name=f"{name}/scaled")[0]
+        q = self.node("Add", [q, self.init("w8a8_offset", np.array(128.5, np.float32))], name=f"{name}/offset")[0]
+        q = self.node("Cast", [q], name=f"{name}/quant", to=TensorProto.UINT8)[0]  # truncates: floor of ≥ 1.5
+        y = self.node("MatMulIntegerToFloat", [q, self.init(f"{name}.qweight", np.ascontiguousarray(wq)),
+                                               self.init("w8a8_one", np.array(1, np.float32)),
+                                               self.init(f"{name}.scales", (ws / 127).astype(np.float32)),
+                                               self.init("w8a8_zero_point", np.array(128, np.uint8))],
+                      domain=MS, name=f"{name}/matmul")[0]
+        return self.node("Mul", [y, m], name=name)[0]
 
     def embedding(self, w: np.ndarray, bits: int | None) -> str:
         """Rows of w [V, H] for input_ids: a float Gather, or GatherBlockQuantized over block-quantized rows

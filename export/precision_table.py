@@ -17,7 +17,7 @@ from .evaluate import GraphRunner, parity
 from .graph import GraphOptions, build_graph, save_model
 from .tokenizer import write_tokenizer
 
-VARIANTS = [("fp32", 0), ("fp16", 0), ("int8", 4), ("int4", 4), ("int4", 0)]
+VARIANTS = [("fp32", 0), ("fp16", 0), ("int8", 4), ("int4", 4), ("int4", 0), ("w8a8", 0)]
 
 
 def main(argv=None) -> int:

@@ -29,11 +29,11 @@ from typing import Any, Mapping
 MB = 1 << 20
 PAGE = 4096
 DRAFTERS = ("none", "lookup", "recycling", "hybrid", "model")  # hybrid: lookup chains + recycling trees
-PRECISIONS = ("fp32", "fp16", "int8", "int4")
-QUANT_BITS = {"int4": 4, "int8": 8}
+PRECISIONS = ("fp32", "fp16", "int8", "int4", "w8a8")
+QUANT_BITS = {"int4": 4, "int8": 8, "w8a8": 8}
 # Element size of the float tensors (embedding, norms, rotary tables, scales, float matmuls): the exporter keeps
 # fp32 floats for quantized bodies and switches everything to fp16 only for an fp16 export (export/graph.py).
-FLOAT_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int4": 4}
+FLOAT_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int4": 4, "w8a8": 4}
 # edge.drafters.LookupDrafter's own accounting: 8 B per history entry + ~120 B per n-gram index entry, up to
 # (max_ngram - min_ngram + 1) = 4 new n-grams per token.
 LOOKUP_BYTES_PER_TOKEN = 8 + 4 * 120
@@ -128,6 +128,8 @@ def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int
     q_dim, kv_dim = a["heads"] * hd, a["kv_heads"] * hd
 
     def lin(k, n, b):
+        if precision == "w8a8" and b == 8:  # int8 [K, N] + one scale per output channel (MatMulIntegerToFloat)
+            return LinearBytes(packed=k * n, scales=n * fb)
         return linear_bytes(k, n, b, block_size, fb, zero_points)
 
     layer = lin(hidden, q_dim + 2 * kv_dim, bits) + lin(q_dim, hidden, bits) + lin(hidden, 2 * inter, bits) \

@@ -63,7 +63,7 @@ def test_host_detection():
     assert h.memory_total_mb == vm.total >> 20
     assert 0 < h.budget_mb <= (vm.total >> 20)
     assert h.cores >= 1 and CPU_EP in h.providers_installed
-    assert set(h.weight_precisions) == {"fp32", "fp16", "int8", "int4"} and not h.static_shapes
+    assert set(h.weight_precisions) == {"fp32", "fp16", "int8", "int4", "w8a8"} and not h.static_shapes
     h2 = detect_host(providers=["CPUExecutionProvider", "CUDAExecutionProvider"])
     assert h2.providers_installed == ("CPUExecutionProvider", "CUDAExecutionProvider")
     assert check_available(h) is h

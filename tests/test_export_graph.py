@@ -98,13 +98,16 @@ def test_ort_sees_the_same_io(exported_llama):
 
 
 @pytest.mark.parametrize("precision,kv_type", [("fp16", TensorProto.FLOAT16), ("int4", TensorProto.FLOAT),
-                                               ("int8", TensorProto.FLOAT)])
+                                               ("int8", TensorProto.FLOAT), ("w8a8", TensorProto.FLOAT)])
 def test_quantized_graph_io(tiny_llama, precision, kv_type):
     model = build_graph(tiny_llama, GraphOptions(precision=precision, max_len=64))
     check_header(model)
     assert io_table(model) == expected_io(3, VOCAB, kv_type)
     nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-    if precision == "fp16":
+    if precision == "w8a8":  # qkv, o, gate_up, down per layer + the head, all int8 x int8
+        assert not nbits
+        assert len([n for n in model.graph.node if n.op_type == "MatMulIntegerToFloat"]) == 4 * 3 + 1
+    elif precision == "fp16":
         assert not nbits
         assert {t.data_type for t in model.graph.initializer if t.name.endswith(".weight")} == {TensorProto.FLOAT16}
     else:
@@ -396,6 +399,18 @@ def test_padded_graph_logits_do_not_depend_on_call_length(tiny_llama, int4_graph
     # the real model); if a future ORT makes the paths agree, the pad row can go
     alone, inside = alone_and_in_calls(tiny_llama, int4_graphs[False], shared_kv, prompt, 11)
     assert not np.array_equal(alone, inside[0])
+
+
+def test_w8a8_graph_logits_do_not_depend_on_call_length(tiny_llama, tmp_path, shared_kv):
+    """w8a8 (per-row int8 activations, integer accumulation) with the pad query row: a token's logits are
+    bit-identical alone and inside calls of 2 to 16 rows."""
+    p = tmp_path / "model.onnx"
+    save_model(build_graph(tiny_llama, GraphOptions(precision="w8a8", max_len=MAX_LEN)), str(p))
+    prompt = np.random.default_rng(5).integers(0, VOCAB, 41)
+    for token in (7, 123):
+        alone, inside = alone_and_in_calls(tiny_llama, p, shared_kv, prompt, token, widths=(2, 3, 5, 8, 16))
+        for got in inside:
+            assert np.array_equal(alone, got)
 
 
 def test_pad_query_row_changes_nothing_else(tiny_llama, int4_graphs, shared_kv):

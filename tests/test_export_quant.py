@@ -185,6 +185,81 @@ def test_matmulnbits_reads_our_layout(bits, symmetric, n, k, block):
     np.testing.assert_allclose(matmul_nbits(x, w, bits, block, symmetric), x @ deq.T, atol=1e-4, rtol=1e-5)
 
 
+# ----------------------------------------------------------------------------- w8a8: MatMulIntegerToFloat
+
+def w8a8_linear(x, w) -> np.ndarray:
+    """The exporter's w8a8 linear (per-row int8 activations, per-channel int8 weights) as a one-op-chain graph."""
+    import onnxruntime as ort
+
+    from export.graph import OPSET, _Builder
+
+    b = _Builder(GraphOptions(precision="w8a8"), TensorProto.FLOAT)
+    y = b.linear("x", w, "lin", 8)
+    n, k = w.shape
+    g = helper.make_graph(b.nodes, "w8a8", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, k])],
+                          [helper.make_tensor_value_info(y, TensorProto.FLOAT, [1, None, n])], initializer=b.inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = IR_VERSION
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x[None]})[0][0]
+
+
+def w8a8_numpy(x, w) -> np.ndarray:
+    """The same arithmetic in numpy: symmetric int8 per output channel, uint8 around 128 per row."""
+    ws = np.abs(w).max(1) / 127
+    wq = np.clip(np.rint(w / ws[:, None]), -127, 127)
+    m = np.abs(x).max(1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a zero row: NaN codes, multiplied by m = 0 below
+        q = np.floor(x * (127 / m) + 128.5) - 128
+    return (q @ wq.T) * (ws / 127) * m
+
+
+def test_w8a8_linear_is_the_integer_arithmetic_it_claims():
+    """Rows with an outlier, tiny values and one of zeros: ORT's graph equals the numpy arithmetic (float rounding
+    only), a zero row gives zeros, and the error against the float product stays within int8's resolution."""
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((48, 96)).astype(np.float32)
+    x = rng.standard_normal((6, 96)).astype(np.float32)
+    x[1, 7] = 40.0  # an outlier channel: its row's scale is set by it
+    x[2] *= 1e-6
+    x[3] = 0.0
+    got = w8a8_linear(x, w)
+    want = w8a8_numpy(x.astype(np.float64), w.astype(np.float64))
+    want[3] = 0.0
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert not np.any(got[3])
+    exact = x @ w.T
+    rel = np.abs(got - exact).max(1) / np.abs(exact).max(1).clip(1e-30)
+    assert rel[[0, 2, 4, 5]].max() < 0.03, rel
+
+
+def test_w8a8_rows_do_not_depend_on_the_other_rows():
+    """Each row's result is bit-identical alone and among others (integer sums, per-row scales): the property that
+    makes speculation lossless with int8 activations."""
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((64, 128)).astype(np.float32)
+    x = rng.standard_normal((17, 128)).astype(np.float32)
+    together = w8a8_linear(x, w)
+    for i in (0, 5, 16):
+        np.testing.assert_array_equal(w8a8_linear(x[i : i + 1], w)[0], together[i])
+        np.testing.assert_array_equal(w8a8_linear(x[i : i + 3], w)[0], together[i])
+    # negative control: one activation scale per call (DynamicQuantizeMatMul, "int8 dynamic" exports) does depend
+    # on the other rows
+    import onnxruntime as ort
+
+    ws = (np.abs(w).max(1) / 127).astype(np.float32)
+    wq = np.clip(np.rint(w / ws[:, None]), -127, 127).astype(np.int8).T
+    node = helper.make_node("DynamicQuantizeMatMul", ["x", "B", "s"], ["y"], domain="com.microsoft")
+    g = helper.make_graph([node], "dq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, 128])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, 64])],
+                          initializer=[numpy_helper.from_array(np.ascontiguousarray(wq), "B"),
+                                       numpy_helper.from_array(ws, "s")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = IR_VERSION
+    dq = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert not np.array_equal(dq.run(None, {"x": x[:1]})[0][0], dq.run(None, {"x": x})[0][0])
+
+
 # ----------------------------------------------------------------------------- quantized graphs of the tiny llama
 
 def dequantized_checkpoint(ck: Checkpoint, bits: int, head_bits: int, block: int, symmetric: bool) -> Checkpoint:
@@ -254,7 +329,7 @@ def test_int8_activations_stay_close(tiny_llama, graph_file, prompts, precision)
     assert np.concatenate(agree).mean() >= 0.85
 
 
-@pytest.mark.parametrize("precision,bound", [("int8", 0.9), ("int4", 0.4)])
+@pytest.mark.parametrize("precision,bound", [("int8", 0.9), ("int4", 0.4), ("w8a8", 0.9)])
 def test_top1_agreement_with_fp32_reference(tiny_llama, graph_file, prompts, precision, bound):
     """Default export settings vs the fp32 reference. Measured: int8 ≈ 0.96, int4 ≈ 0.54 — a random tiny model
     is far more sensitive to 4-bit weights than a trained one (the real model's figures are in the slow test)."""
@@ -330,6 +405,22 @@ def test_footprint_predicts_the_quantized_embedding_to_the_byte(tiny_llama, head
     w = predict_weight_bytes(arch, precision="int4", lm_head_bits=head_bits, max_len=64, zero_points=not symmetric,
                              embedding_bits=opts.embedding_bits(c.hidden))
     assert opts.embedding_bits(c.hidden) == head_bits and w.embedding == written
+
+
+def test_footprint_predicts_w8a8_weights_to_the_byte(tiny_llama):
+    """w8a8: int8 [K, N] + one float scale per output channel for every linear and the head."""
+    from memory.footprint import predict_weight_bytes
+
+    c = tiny_llama.config
+    m = build_graph(tiny_llama, GraphOptions(precision="w8a8", max_len=64))
+    written = {p: sum(numpy_helper.to_array(t).nbytes for t in m.graph.initializer
+                      if t.name.endswith((".qweight", ".scales")) and t.name.split("/")[0].startswith(p))
+               for p in ("l", "lm_head")}
+    written["l"] -= written["lm_head"]
+    arch = {"layers": c.layers, "vocab": c.vocab, "hidden": c.hidden, "head_dim": c.head_dim,
+            "intermediate": c.intermediate, "heads": c.heads, "kv_heads": c.kv_heads}
+    w = predict_weight_bytes(arch, precision="w8a8", max_len=64)
+    assert w.body.total == written["l"] and w.head.total == written["lm_head"]
 
 
 @pytest.mark.parametrize("pad", [True, False])
