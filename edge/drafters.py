@@ -22,15 +22,23 @@ class Draft:
     tokens: np.ndarray  # [N] int64
     parents: np.ndarray  # [N] int64, into [root] + tokens
     q: np.ndarray | None = None  # [N, V] or None
+    # what produced it, for acceptance statistics finer than the drafter ("lookup:3": a span found by a 3-gram
+    # match; "recycling"); empty = the drafter's own name
+    source: str = ""
 
     @classmethod
     def empty(cls) -> "Draft":
         return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     @classmethod
-    def chain(cls, tokens, q=None) -> "Draft":
+    def chain(cls, tokens, q=None, source: str = "") -> "Draft":
         t = np.asarray(tokens, np.int64)
-        return cls(t, np.arange(len(t), dtype=np.int64), q)
+        return cls(t, np.arange(len(t), dtype=np.int64), q, source)
+
+    def head(self, n: int) -> "Draft":
+        """The first n tokens of a chain."""
+        assert self.is_chain, "only chains are cut by length"
+        return Draft.chain(self.tokens[:n], None if self.q is None else self.q[:n], self.source)
 
     @property
     def is_chain(self) -> bool:
@@ -95,8 +103,8 @@ class LookupDrafter:
         h = self.history
         for n in range(min(self.max_ngram, len(h)), self.min_ngram - 1, -1):
             pos = self.index.get(tuple(h[len(h) - n :]))
-            if pos is not None:
-                return Draft.chain(h[pos : pos + budget])
+            if pos is not None:  # a longer match is a more reliable continuation: its own statistics
+                return Draft.chain(h[pos : pos + budget], source=f"lookup:{n}")
         return Draft.empty()
 
     def accept(self, tokens) -> None:
@@ -273,7 +281,7 @@ class RecyclingDrafter:
             where[i] = len(toks)
             toks.append(tok)
             parents.append(0 if parent < 0 else where[parent] + 1)
-        return Draft(np.asarray(toks, np.int64), np.asarray(parents, np.int64))
+        return Draft(np.asarray(toks, np.int64), np.asarray(parents, np.int64), source="recycling")
 
     def accept(self, tokens) -> None:
         # adapt the per-rank priors: where in the root's candidate row did the target's next token sit?
@@ -303,6 +311,11 @@ class HybridDrafter:
 
     def observe(self, tokens, top_ids) -> None:
         self.recycling.observe(tokens, top_ids)
+
+    def chains(self, budget: int) -> list[Draft]:
+        """Chains-only targets: the retrieved span and the recycling chain as alternatives; the engine verifies the
+        one whose length-adjusted expected tokens per millisecond is higher (by each source's acceptance)."""
+        return [self.lookup.draft(budget), self.recycling.draft(budget)]
 
     def draft(self, budget: int) -> Draft:
         chain = self.lookup.draft(min(self.lookup_len, budget))

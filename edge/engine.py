@@ -20,7 +20,7 @@ from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
 from memory.acceptance import AcceptanceStats
-from memory.planner import DEFAULT_PRIORS, DEFAULT_VERIFY_SHAPE, LatencyCurve, best_chain_length
+from memory.planner import DEFAULT_PRIORS, DEFAULT_VERIFY_SHAPE, LatencyCurve, best_chain, best_chain_length
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .manifest import ModelDirError, check_drafter, load_manifest
@@ -194,18 +194,28 @@ class Engine:
             self.default_drafter = pl.drafter
         return pl
     def _verify_ms(self, s: int) -> float:
-        """Measured mean call time at width s, else the default curve scaled to the narrowest measured call."""
+        """Measured mean call time at width s, else the export's measured curve (or the default one) scaled to the
+        narrowest call measured here."""
         if s in self._call_ms:
             return self._call_ms[s]
         t1 = self._call_ms.get(self.target.min_call) or self.manifest.target.stats.get("latency_ms_s1") or 9.0
         if self._curve is None or self._curve[0] != t1:
-            self._curve = (t1, LatencyCurve.scaled(t1, DEFAULT_VERIFY_SHAPE))
+            self._curve = (t1, LatencyCurve.scaled(t1, self._verify_shape()))
         return self._curve[1](s)
+
+    def _verify_shape(self) -> tuple[tuple[int, float], ...]:
+        """Call time by width relative to one row, as the export measured it on this graph (its slope differs by
+        an order between quantization schemes: +2 ms per row with int4 MatMulNBits here, +0.6 ms with w8a8)."""
+        by_s = self.manifest.target.stats.get("latency_ms_by_s") or []
+        if len(by_s) < 2 or not all(isinstance(t, (int, float)) and t > 0 for t in by_s):
+            return DEFAULT_VERIFY_SHAPE
+        ratios = np.maximum.accumulate(np.maximum(1.0, np.asarray(by_s, float) / by_s[0]))  # noise: never cheaper
+        return tuple((i + 1, float(r)) for i, r in enumerate(ratios))
 
     def _stats(self, kind: str) -> AcceptanceStats:
         st = self.acceptance.get(kind)
         if st is None:
-            prior = DEFAULT_PRIORS.get(kind, (0.3, 1.0))[0]
+            prior = DEFAULT_PRIORS.get(kind.split(":")[0], (0.3, 1.0))[0]  # "lookup:3" starts from lookup's
             if kind == "model":
                 prior = max((g.stats.get("top1_agreement", 0.3) for g in self.manifest.drafters), default=0.3)
             st = self.acceptance[kind] = AcceptanceStats(prior)
@@ -225,6 +235,27 @@ class Engine:
             return 0
         cost = self._draft_ms if kind == "model" else 0.0
         return best_chain_length(self._stats(kind), self._verify_ms, cost, k_max, self.target.min_call)
+
+    def _draft_free(self, drafter, kind: str, budget: int) -> Draft:
+        """Drafters whose drafts cost nothing (lookup, recycling, hybrid on chains): draft the longest chain first,
+        then cut it to the length with the best expected tokens per millisecond by the acceptance statistics of its
+        source — a span found by a 4-gram match earns longer drafts than one found by a single token, the stand-in
+        for SpecDec++'s learned stopping head. With several candidate chains (hybrid: the retrieved span and the
+        recycling chain) the best rate wins. Nothing worth drafting: every PROBE_EVERY-th time a short probe."""
+        if budget <= 0:
+            return Draft.empty()
+        cands = [c for c in (drafter.chains(budget) if hasattr(drafter, "chains") else [drafter.draft(budget)])
+                 if len(c)]
+        best, best_rate = None, 0.0
+        for c in cands:
+            k, rate = best_chain(self._stats(c.source or kind), self._verify_ms, 0.0, len(c), self.target.min_call)
+            if k and rate > best_rate:
+                best, best_rate = c.head(k), rate
+        if best is None and cands:
+            c = cands[0]
+            k = self._probe(c.source or kind, len(c))
+            best = c.head(k) if k else None
+        return best or Draft.empty()
 
     # ------------------------------------------------------------------ drafters
     def _resolve(self, kind: str) -> str:
@@ -408,12 +439,16 @@ class Engine:
                 sent = max(sent, safe)
 
                 # ---- one speculative step: draft, verify in one target call, commit, update the drafter
-                k_step = k if p.draft_len is not None or not d_chain else self._choose_k(kind, k)
+                free = d_chain and p.draft_len is None and kind in ("lookup", "recycling", "hybrid")
+                k_step = k if p.draft_len is not None or not d_chain or free else self._choose_k(kind, k)
                 if k_step == 0 and kind != "none" and k > 0:
                     k_step = self._probe(kind, k)
                 budget = min(k_step, p.max_tokens - len(out) - 1, self.target.cache.room() - 2)
                 ts = time.perf_counter()
-                d = drafter.draft(budget) if budget > 0 else Draft.empty()
+                if free:
+                    d = self._draft_free(drafter, kind, budget)
+                else:
+                    d = drafter.draft(budget) if budget > 0 else Draft.empty()
                 st.draft_s += time.perf_counter() - ts
                 if kind == "model" and len(d):
                     self._draft_ms = 0.8 * self._draft_ms + 200 * (time.perf_counter() - ts) / len(d)
@@ -425,7 +460,9 @@ class Engine:
                 self._call_ms[width] = 1000 * dt if width not in self._call_ms else \
                     0.8 * self._call_ms[width] + 200 * dt
                 if d_chain and len(d):
-                    self._stats(kind).update(len(d), len(committed) - 1)
+                    self._stats(kind).update(len(d), len(committed) - 1)  # per drafter: what the planner reads
+                    if d.source and d.source != kind:
+                        self._stats(d.source).update(len(d), len(committed) - 1)
                 self._commit(committed, path)
                 st.steps += 1
                 st.drafted += len(d)

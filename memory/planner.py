@@ -472,13 +472,15 @@ def min_budget_speculative(manifest, context: int, stats=None, profile=None, **k
     return min(faster) if faster else None
 
 
-def best_chain_length(stats: AcceptanceStats, verify_ms, draft_ms_per_token: float = 0.0, max_k: int = MAX_CHAIN,
-                      min_call: int = 1) -> int:
+def best_chain(stats: AcceptanceStats, verify_ms, draft_ms_per_token: float = 0.0, max_k: int = MAX_CHAIN,
+               min_call: int = 1) -> tuple[int, float]:
     """The per-step choice: the chain length K (0 = do not draft) maximizing expected tokens per millisecond,
     (1 + E[accepted | K]) / (K · t_draft + t_verify(max(K + 1, min_call))), with E from the online acceptance
-    statistics and t_verify a latency curve (callable S → ms). Runs every decode step: vectorized over K."""
+    statistics and t_verify a latency curve (callable S → ms); → (K, its tokens per ms). Runs every decode step:
+    vectorized over K."""
+    plain = 1.0 / verify_ms(max(1, min_call))
     if max_k <= 0:
-        return 0
+        return 0, plain
     a = stats.table()[:, 0]  # acceptance at each depth for the rank-0 (chain) candidate
     depth = np.minimum(np.arange(max_k), len(a) - 1)
     expected = stats.draft_rate * np.cumsum(np.cumprod(a[depth]))  # E[accepted | K] for K = 1..max_k
@@ -486,4 +488,10 @@ def best_chain_length(stats: AcceptanceStats, verify_ms, draft_ms_per_token: flo
     cost = ks * draft_ms_per_token + np.array([verify_ms(max(k + 1, min_call)) for k in ks])
     rates = (1.0 + expected) / cost
     best = int(np.argmax(rates))
-    return best + 1 if rates[best] > 1.0 / verify_ms(max(1, min_call)) else 0
+    return (best + 1, float(rates[best])) if rates[best] > plain else (0, plain)
+
+
+def best_chain_length(stats: AcceptanceStats, verify_ms, draft_ms_per_token: float = 0.0, max_k: int = MAX_CHAIN,
+                      min_call: int = 1) -> int:
+    """`best_chain`'s K alone."""
+    return best_chain(stats, verify_ms, draft_ms_per_token, max_k, min_call)[0]

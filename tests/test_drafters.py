@@ -94,3 +94,17 @@ def test_hybrid_merges_common_prefix():
 def test_draft_chain_helpers():
     assert Draft.chain([5, 6]).is_chain and not Draft(np.array([5, 6]), np.array([0, 0])).is_chain
     assert len(Draft.empty()) == 0
+
+
+def test_lookup_drafts_name_their_match_length():
+    """The engine keeps acceptance statistics per matched n-gram length: each draft says which it came from."""
+    d = LookupDrafter(max_ngram=4)
+    d.begin([1, 2, 3, 4, 5, 6, 9, 2, 3, 4])  # suffix (2, 3, 4) occurred before, (9, 2, 3, 4) did not
+    got = d.draft(3)
+    assert got.source == "lookup:3" and got.tokens.tolist() == [5, 6, 9]
+    d.begin([7, 8, 1, 7])
+    assert d.draft(2).source == "lookup:1"
+    assert d.draft(2).head(1).source == "lookup:1" and len(d.draft(2).head(1)) == 1
+    r = RecyclingDrafter(16, k=2, chains_only=True)
+    h = HybridDrafter(d, r)
+    assert [c.source for c in h.chains(3) if len(c)] == ["lookup:1"]  # recycling has seen nothing yet

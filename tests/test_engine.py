@@ -206,3 +206,71 @@ def test_adaptive_length_keeps_probing_a_drafter_it_switched_off(tiny_dir):
     assert r.stats.drafted > 0
     assert r.stats.steps > r.stats.drafted // 2  # probes, not full-length drafting
     assert e.acceptance["model"].table()[0, 0] > 0 or r.stats.accepted == 0  # accepted probes move the estimate
+
+
+def test_unmeasured_call_widths_follow_the_exports_latency_curve(tiny_dir):
+    """Until a width has been timed here, the adaptive length prices it by the export's own measured curve
+    (latency_ms_by_s, relative to one row; never decreasing), scaled to this machine's one-row time; without that
+    curve, by the default shape."""
+    from dataclasses import replace
+
+    from memory.planner import DEFAULT_VERIFY_SHAPE, LatencyCurve
+
+    e = edge.load(tiny_dir, drafter="none", context=512)
+    e._call_ms = {1: 10.0}
+    t = e.manifest.target
+    flat = replace(t, stats={**t.stats, "latency_ms_by_s": [5.0, 5.5, 5.0, 6.0, 6.5, 7.0, 7.5, 8.0]})
+    e.manifest = replace(e.manifest, graphs=(flat,) + tuple(g for g in e.manifest.graphs if g.role != "target"))
+    e._curve = None
+    assert e.manifest.target.stats["latency_ms_by_s"][0] == 5.0
+    assert [round(e._verify_ms(s), 6) for s in (1, 2, 3, 8)] == [10.0, 11.0, 11.0, 16.0]
+    e._call_ms[8] = 30.0  # a measured width wins
+    assert e._verify_ms(8) == 30.0
+    e.manifest = replace(e.manifest, graphs=(replace(t, stats={}),) + e.manifest.graphs[1:])
+    e._curve = None
+    assert e._verify_ms(16) == pytest.approx(LatencyCurve.scaled(10.0, DEFAULT_VERIFY_SHAPE)(16))
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "recycling", "hybrid", "auto"])
+def test_adaptive_free_drafts_equal_plain(engine, drafter):
+    """No draft_len: drafts are cut per step by their source's statistics (and hybrid picks between the retrieved
+    span and the recycling chain); the output is still plain greedy's, and drafts happen."""
+    drafted = 0
+    for p in PROMPTS + ["the quick brown fox the quick brown fox the quick brown"]:
+        ref = engine.generate(p, max_tokens=40, drafter="none")
+        got = engine.generate(p, max_tokens=40, drafter=drafter)
+        assert got.token_ids == ref.token_ids, (p, drafter)
+        drafted += got.stats.drafted
+    assert drafted > 0
+
+
+class _Chains:
+    """A drafter offering fixed candidate chains."""
+
+    def __init__(self, *chains):
+        self._chains = chains
+
+    def chains(self, budget):
+        return [c.head(budget) for c in self._chains]
+
+
+def test_free_drafts_are_cut_by_their_sources_acceptance(tiny_dir):
+    """A span from a reliable source keeps its length, one from an unreliable source is dropped (or cut to a probe),
+    and between two candidates the one with the better expected tokens per ms is verified."""
+    from edge.drafters import Draft
+    from memory.acceptance import AcceptanceStats
+
+    e = edge.load(tiny_dir, drafter="none", context=512)
+    e._call_ms = {s: 10.0 + 0.5 * s for s in range(1, 40)}  # a flat verify curve
+    e.acceptance["lookup:4"] = AcceptanceStats(0.95)
+    e.acceptance["lookup:1"] = AcceptanceStats(0.02)
+    e.acceptance["recycling"] = AcceptanceStats(0.5)
+    span4 = Draft.chain(range(10, 22), source="lookup:4")
+    span1 = Draft.chain(range(30, 42), source="lookup:1")
+    rec = Draft.chain(range(50, 58), source="recycling")
+    assert len(e._draft_free(_Chains(span4), "lookup", 12)) == 12
+    got = [len(e._draft_free(_Chains(span1), "lookup", 12)) for _ in range(16)]
+    assert max(got) <= 2 and 0 < sum(got) <= 4  # no drafts but the occasional 2-token probe
+    pick = e._draft_free(_Chains(span1, rec), "hybrid", 12)
+    assert pick.source == "recycling" and 0 < len(pick) <= 8
+    assert e._draft_free(_Chains(span4, rec), "hybrid", 12).source == "lookup:4"
