@@ -15,8 +15,8 @@ import numpy as np
 
 FORMAT_VERSION = 1
 # the graphs export.graph writes: bumped whenever they change, so a cached export from an older builder is rebuilt
-# (2: the pad query row; 3: block-quantized embedding rows)
-GRAPH_VERSION = 3
+# (2: the pad query row; 3: block-quantized embedding rows; 4: the default export became w8a8)
+GRAPH_VERSION = 4
 FAST_HASH_BYTES = 16 << 20  # verify="fast" hashes files up to this size
 MANIFEST_NAME = "edge_model.json"
 

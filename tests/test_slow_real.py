@@ -1,4 +1,4 @@
-"""Slow tests on the real embedded model (SmolLM2-135M-Instruct, int4 default export). Run in CI too."""
+"""Slow tests on the real embedded model (SmolLM2-135M-Instruct, default w8a8 export). Run in CI too."""
 import json
 from pathlib import Path
 
