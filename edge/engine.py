@@ -20,7 +20,7 @@ from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
 from memory.acceptance import AcceptanceStats
-from memory.planner import DEFAULT_PRIORS, DEFAULT_VERIFY_SHAPE, LatencyCurve, best_chain, best_chain_length
+from memory.planner import DEFAULT_PRIORS, LatencyCurve, best_chain, best_chain_length, export_verify_shape
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .manifest import ModelDirError, check_drafter, load_manifest
@@ -200,17 +200,8 @@ class Engine:
             return self._call_ms[s]
         t1 = self._call_ms.get(self.target.min_call) or self.manifest.target.stats.get("latency_ms_s1") or 9.0
         if self._curve is None or self._curve[0] != t1:
-            self._curve = (t1, LatencyCurve.scaled(t1, self._verify_shape()))
+            self._curve = (t1, LatencyCurve.scaled(t1, export_verify_shape(self.manifest.target.stats)))
         return self._curve[1](s)
-
-    def _verify_shape(self) -> tuple[tuple[int, float], ...]:
-        """Call time by width relative to one row, as the export measured it on this graph (its slope differs by
-        an order between quantization schemes: +2 ms per row with int4 MatMulNBits here, +0.6 ms with w8a8)."""
-        by_s = self.manifest.target.stats.get("latency_ms_by_s") or []
-        if len(by_s) < 2 or not all(isinstance(t, (int, float)) and t > 0 for t in by_s):
-            return DEFAULT_VERIFY_SHAPE
-        ratios = np.maximum.accumulate(np.maximum(1.0, np.asarray(by_s, float) / by_s[0]))  # noise: never cheaper
-        return tuple((i + 1, float(r)) for i, r in enumerate(ratios))
 
     def _stats(self, kind: str) -> AcceptanceStats:
         st = self.acceptance.get(kind)

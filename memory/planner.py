@@ -58,6 +58,17 @@ class PlanError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------- latency
+def export_verify_shape(stats: Mapping[str, Any]) -> tuple[tuple[int, float], ...]:
+    """Call time by width relative to one row, as the export measured it on its graph (`latency_ms_by_s`, S = 1..8;
+    made non-decreasing: a wider call is never assumed cheaper), else DEFAULT_VERIFY_SHAPE. The slope differs by
+    ~3x between quantization schemes (+2 ms per row with int4 MatMulNBits on the dev VM, +0.6 ms with w8a8)."""
+    by_s = stats.get("latency_ms_by_s") or []
+    if len(by_s) < 2 or not all(isinstance(t, (int, float)) and t > 0 for t in by_s):
+        return DEFAULT_VERIFY_SHAPE
+    ratios = np.maximum.accumulate(np.maximum(1.0, np.asarray(by_s, float) / by_s[0]))
+    return tuple((i + 1, float(r)) for i, r in enumerate(ratios))
+
+
 @dataclass(frozen=True)
 class LatencyCurve:
     """Milliseconds of one call of S rows: piecewise linear through measured (S, ms) points, flat below the first,
@@ -97,7 +108,7 @@ class Latency:
     def from_calibration(cls, manifest, d: Mapping[str, Any] | None = None) -> "Latency":
         """The "latency" section of a calibration JSON: {"target": [[S, ms], ...], "drafters": {graph: [[S, ms],
         ...]}, "lookup_ms", "recycling_ms", "overhead_ms"}. Missing curves: the manifest's export-time
-        latency_ms_s1 (or DEFAULT_T1_MS) times DEFAULT_VERIFY_SHAPE."""
+        latency_ms_s1 (or DEFAULT_T1_MS) times the export's measured shape (`export_verify_shape`)."""
         d = dict(d or {})
         known = {"target", "drafters", "lookup_ms", "recycling_ms", "overhead_ms"}
         bad = sorted(set(d) - known)
@@ -105,7 +116,8 @@ class Latency:
             raise ValueError(f"unknown latency calibration key(s) {bad}; known: {sorted(known)}")
         t = d.get("target")
         target = LatencyCurve(tuple(map(tuple, t))) if t else \
-            LatencyCurve.scaled(manifest.target.stats.get("latency_ms_s1") or DEFAULT_T1_MS)
+            LatencyCurve.scaled(manifest.target.stats.get("latency_ms_s1") or DEFAULT_T1_MS,
+                                export_verify_shape(manifest.target.stats))
         measured = {k: LatencyCurve(tuple(map(tuple, v))) for k, v in (d.get("drafters") or {}).items()}
         curves = {}
         for g in manifest.drafters:

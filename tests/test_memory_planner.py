@@ -48,6 +48,24 @@ def test_default_latency_curve():
         LatencyCurve(((0, 1.0),))
 
 
+def test_export_measured_curve_shapes_the_default():
+    """A manifest with the export's latency_ms_by_s: the planner's curve follows its shape (noise flattened to
+    non-decreasing) scaled to latency_ms_s1; without it, the default shape."""
+    from dataclasses import replace
+
+    from memory.planner import DEFAULT_VERIFY_SHAPE, export_verify_shape
+
+    by_s = [10.0, 11.0, 10.5, 12.0, 13.0, 13.5, 14.0, 16.0]
+    assert export_verify_shape({"latency_ms_by_s": by_s}) == tuple(
+        (i + 1, r) for i, r in enumerate([1.0, 1.1, 1.1, 1.2, 1.3, 1.35, 1.4, 1.6]))
+    assert export_verify_shape({}) == export_verify_shape({"latency_ms_by_s": [5.0]}) == DEFAULT_VERIFY_SHAPE
+    t = M.target
+    m = replace(M, graphs=tuple(replace(g, stats={**t.stats, "latency_ms_s1": 20.0, "latency_ms_by_s": by_s})
+                                if g.role == "target" else g for g in M.graphs))
+    lat = Latency.from_calibration(m)
+    assert lat.target(1) == 20.0 and lat.target(8) == pytest.approx(32.0) and lat.target(3) == pytest.approx(22.0)
+
+
 # ------------------------------------------------------------------------------------------- brute force
 def brute_force_chains(ctx, budget_mb, st):
     """Every drafter x K in 1..16 as chains, scored with formulas written out here; → (drafter, K, tok/s)."""
