@@ -238,8 +238,15 @@ class Engine:
         cands = [c for c in (drafter.chains(budget) if hasattr(drafter, "chains") else [drafter.draft(budget)])
                  if len(c)]
         best, best_rate = None, 0.0
+        memo: dict[int, float] = {}  # call widths priced once per step, whatever the number of candidates
+
+        def verify_ms(s: int) -> float:
+            if s not in memo:
+                memo[s] = self._verify_ms(s)
+            return memo[s]
+
         for c in cands:
-            k, rate = best_chain(self._stats(c.source or kind), self._verify_ms, 0.0, len(c), self.target.min_call)
+            k, rate = best_chain(self._stats(c.source or kind), verify_ms, 0.0, len(c), self.target.min_call)
             if k and rate > best_rate:
                 best, best_rate = c.head(k), rate
         if best is None and cands:
