@@ -57,8 +57,8 @@ class GraphSession:
         self._bind_full = self._new_binding()
         self._bind_top = self._new_binding() if self.topk else self._bind_full
         self.min_call = self._probe_min_call()
-        # int8 activations (MatMulNBits accuracy_level 4) amplify any change in attention summation order, so a
-        # tree is never exact there even when one probe happens to agree; otherwise the probe decides
+        # int8 activations (MatMulNBits accuracy_level 4, w8a8) amplify any change in attention summation order, so
+        # a tree is never exact there even when one probe happens to agree; otherwise the probe decides
         self.tree_exact = not graph.int8_activations and self._probe_tree_exact()
 
     def _new_binding(self):

@@ -67,9 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--force", action="store_true", help="with --default: rebuild even if the cache is up to date")
     ap.add_argument("--precision", choices=PRECISIONS, default=None,
                     help=f"weight precision (default {DEFAULT_PRECISION}; int4 --via optimum; see README): int4/int8 = "
-                         "MatMulNBits block "
-                         "weights; w8a8 = int8 weights per channel with int8 activations per row (integer "
-                         "accumulation: exact for speculation, cheap multi-token verify calls)")
+                         "MatMulNBits block weights; w8a8 = int8 weights per channel with int8 activations per row "
+                         "(integer accumulation: exact for speculation, cheap multi-token verify calls)")
     ap.add_argument("--block-size", type=int, default=32, choices=[16, 32, 64, 128, 256],
                     help="int4/int8 quantization block size (MatMulNBits supports 16-256; default 32; for w8a8 only the "
                          "embedding's)")

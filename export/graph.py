@@ -127,8 +127,8 @@ class _Builder:
 
         Why: the products are summed in int32, which is exact in any order, and every scale depends on one row
         only, so a token's result cannot depend on how many rows share its call or how the kernel tiles them
-        (MatMulNBits' int8-activation kernels accumulate float partial sums per block, and their cost grows ~1 ms per
-        extra row here; MLAS' u8s8 GEMM reuses each packed weight tile across rows). A row of zeros gives max 0,
+        (MatMulNBits' int8-activation kernels accumulate float partial sums per block, and over the whole model their
+        cost grows ~2 ms per extra row on the dev VM; MLAS' u8s8 GEMM reuses each packed weight tile across rows). A row of zeros gives max 0,
         NaN codes and y = garbage·0 = 0."""
         ws = (np.abs(w).max(1) / 127).astype(np.float32)  # [N]
         ws = np.where(ws == 0, np.float32(1), ws).astype(np.float32)
