@@ -231,17 +231,32 @@ def test_unmeasured_call_widths_follow_the_exports_latency_curve(tiny_dir):
     assert e._verify_ms(16) == pytest.approx(LatencyCurve.scaled(10.0, DEFAULT_VERIFY_SHAPE)(16))
 
 
-@pytest.mark.parametrize("drafter", ["lookup", "recycling", "hybrid", "auto"])
-def test_adaptive_free_drafts_equal_plain(engine, drafter):
+@pytest.fixture(scope="module")
+def chains_engine(tiny_dir):
+    """The tiny (fp32) export driven as if its graph verified chains only, as every int8-activation graph does:
+    recycling and hybrid then take the per-source free-draft path."""
+    e = edge.load(tiny_dir, drafter="none", context=512)
+    e.target.tree_exact = False
+    e.recycling.chains_only = True
+    e.recycling._templates.clear()
+    return e
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "recycling", "hybrid"])
+def test_adaptive_free_drafts_equal_plain(chains_engine, drafter):
     """No draft_len: drafts are cut per step by their source's statistics (and hybrid picks between the retrieved
-    span and the recycling chain); the output is still plain greedy's, and drafts happen."""
+    span and the recycling chain); the output is still plain greedy's, drafts happen, and they were priced by
+    per-source statistics (the free-draft path ran)."""
+    e = chains_engine
     drafted = 0
     for p in PROMPTS + ["the quick brown fox the quick brown fox the quick brown"]:
-        ref = engine.generate(p, max_tokens=40, drafter="none")
-        got = engine.generate(p, max_tokens=40, drafter=drafter)
+        ref = e.generate(p, max_tokens=40, drafter="none")
+        got = e.generate(p, max_tokens=40, drafter=drafter)
         assert got.token_ids == ref.token_ids, (p, drafter)
         drafted += got.stats.drafted
     assert drafted > 0
+    sources = {k for k in e.acceptance if ":" in k or k == "recycling"}
+    assert sources & ({"recycling"} if drafter == "recycling" else {f"lookup:{n}" for n in range(1, 5)}), sources
 
 
 class _Chains:
