@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.sampling import top_k_ids
+
 from .kv import KVCache
 from .manifest import GraphEntry, Manifest
 
@@ -277,10 +279,7 @@ class OptimumSession:
                 self.cache.layer(i, j)[:, :, L : L + s] = out[1 + 2 * i + j][:, :, L : L + s]
         r = s if keep == 0 else min(keep, s)
         rows = out[0][0, s - r :]
-        k = min(self.topk, self.vocab)
-        idx = np.argpartition(-rows, k - 1, axis=-1)[:, :k]
-        order = np.argsort(-np.take_along_axis(rows, idx, -1), axis=-1, kind="stable")
-        self.top_ids = np.take_along_axis(idx, order, -1)
+        self.top_ids = top_k_ids(rows, min(self.topk, self.vocab))
         return rows
 
     def prefill(self, tokens, chunk: int = 512) -> np.ndarray:

@@ -75,6 +75,14 @@ def _top_k_indices(x: np.ndarray, k: int) -> np.ndarray:
     return cols
 
 
+def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """Token ids of the k largest entries of each row of ``x`` ([R, V]) -> [R, k], best first, ties toward the
+    lower id (so column 0 is ``argmax``), as the exported graphs' on-graph TopK returns them."""
+    cols = _top_k_indices(x, k)  # ascending ids
+    order = np.argsort(-np.take_along_axis(x, cols, axis=-1), axis=-1, kind="stable")
+    return np.take_along_axis(cols, order, axis=-1)
+
+
 def _top_p_mask(probs: np.ndarray, top_p: float) -> np.ndarray:
     """Mask of the smallest set of each row whose mass is >= top_p ([R, V], rows sum to 1)."""
     rows, vocab = probs.shape

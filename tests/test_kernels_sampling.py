@@ -340,3 +340,16 @@ def test_sampler_never_returns_a_dropped_token(logits, seed):
     probs = process_logits(x, 0.7, 3, 0.8)
     token = make_sampler(0.7, top_k=3, top_p=0.8)(x, np.random.default_rng(seed))
     assert probs[token] > 0
+
+
+def test_top_k_ids_best_first_with_ties_toward_the_lower_id():
+    """Against a plain-Python reference: sort by (-value, id). Ties across the cut and inside the kept set."""
+    from kernels.sampling import top_k_ids
+
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, 6, (40, 50)).astype(np.float32)  # many ties
+    for k in (1, 3, 8, 50):
+        got = top_k_ids(x, k)
+        want = [sorted(range(50), key=lambda j: (-x[r, j], j))[:k] for r in range(40)]
+        np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(top_k_ids(x, 8)[:, 0], x.argmax(-1))
