@@ -484,23 +484,35 @@ def min_budget_speculative(manifest, context: int, stats=None, profile=None, **k
     return min(faster) if faster else None
 
 
+def _best_k(expected: np.ndarray, verify_ms, draft_ms_per_token: float, min_call: int) -> tuple[int, float]:
+    """expected[K-1] = E[accepted | K drafted]: the K (0 = do not draft) with the most tokens per ms."""
+    plain = 1.0 / verify_ms(max(1, min_call))
+    if len(expected) == 0:
+        return 0, plain
+    ks = np.arange(1, len(expected) + 1)
+    cost = ks * draft_ms_per_token + np.array([verify_ms(max(k + 1, min_call)) for k in ks])
+    rates = (1.0 + expected) / cost
+    best = int(np.argmax(rates))
+    return (best + 1, float(rates[best])) if rates[best] > plain else (0, plain)
+
+
 def best_chain(stats: AcceptanceStats, verify_ms, draft_ms_per_token: float = 0.0, max_k: int = MAX_CHAIN,
                min_call: int = 1) -> tuple[int, float]:
     """The per-step choice: the chain length K (0 = do not draft) maximizing expected tokens per millisecond,
     (1 + E[accepted | K]) / (K · t_draft + t_verify(max(K + 1, min_call))), with E from the online acceptance
     statistics and t_verify a latency curve (callable S → ms); → (K, its tokens per ms). Runs every decode step:
     vectorized over K."""
-    plain = 1.0 / verify_ms(max(1, min_call))
     if max_k <= 0:
-        return 0, plain
+        return _best_k(np.zeros(0), verify_ms, draft_ms_per_token, min_call)
     a = stats.table()[:, 0]  # acceptance at each depth for the rank-0 (chain) candidate
     depth = np.minimum(np.arange(max_k), len(a) - 1)
-    expected = stats.draft_rate * np.cumsum(np.cumprod(a[depth]))  # E[accepted | K] for K = 1..max_k
-    ks = np.arange(1, max_k + 1)
-    cost = ks * draft_ms_per_token + np.array([verify_ms(max(k + 1, min_call)) for k in ks])
-    rates = (1.0 + expected) / cost
-    best = int(np.argmax(rates))
-    return (best + 1, float(rates[best])) if rates[best] > plain else (0, plain)
+    return _best_k(stats.draft_rate * np.cumsum(np.cumprod(a[depth])), verify_ms, draft_ms_per_token, min_call)
+
+
+def best_prefix(token_probs, verify_ms, min_call: int = 1) -> tuple[int, float]:
+    """`best_chain` for a drafted chain whose tokens each carry their own conditional acceptance probability
+    (`memory.acceptance.TokenAcceptance`): E[accepted | K] = sum_{k<=K} prod_{j<=k} p_j."""
+    return _best_k(np.cumsum(np.cumprod(np.asarray(token_probs, np.float64))), verify_ms, 0.0, min_call)
 
 
 def best_chain_length(stats: AcceptanceStats, verify_ms, draft_ms_per_token: float = 0.0, max_k: int = MAX_CHAIN,

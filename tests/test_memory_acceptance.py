@@ -131,3 +131,23 @@ def test_brute_force_enumerator_counts():
     assert len(_all_trees(2, 2, 10)) == 2
     assert all(len(t) == 3 for t in _all_trees(3, 2, 3))
     assert list(itertools.islice(_all_trees(1, 3, 3), 2)) == [frozenset({(0,)})]
+
+
+def test_token_acceptance_updates_the_tested_tokens_only():
+    """A verified chain: its first `accepted` tokens were accepted, the next one rejected, the rest never tested."""
+    from memory.acceptance import TokenAcceptance
+
+    t = TokenAcceptance({"lookup": 0.3, "recycling": 0.4}, beta=0.1, prior_weight=4.0)
+    assert t.probs(["lookup:2@1", "recycling:b@2+", "other@1"]).tolist() == [0.3, 0.4, 0.3]  # family priors
+    t.update(["a@1", "b@2+", "b@2+", "c@2+"], 2)
+    # a: hit, weight max(0.1, 1/4) → 0.3 + 0.25·0.7; b: first a hit (0.475), then a miss with weight 1/5
+    assert t.probs(["a@1"])[0] == pytest.approx(0.475)
+    assert t.probs(["b@2+"])[0] == pytest.approx(0.475 - 0.475 / 5)
+    assert "c@2+" not in t.rate  # behind the rejection: never tested
+    t.update(["d@1"], 0)
+    assert t.probs(["d@1"])[0] == pytest.approx(0.3 - 0.3 / 4)
+    with pytest.raises(ValueError):
+        t.update(["a@1"], 2)
+    for _ in range(200):  # long runs converge to the observed rate
+        t.update(["e@1", "e@1"], 1)
+    assert t.probs(["e@1"])[0] == pytest.approx(0.5, abs=0.1)

@@ -307,3 +307,20 @@ def test_a_profiles_calibration_is_what_the_planner_uses():
     assert heavy.peak_mb - lo.peak_mb == pytest.approx(100.0)
     assert plan(prof({"acceptance": never}), M, 1024, drafters=ALL,
                 calibration={"latency": flat, "acceptance": sure}).nodes == hi.nodes
+
+
+def test_best_prefix_matches_brute_force():
+    """Per-token acceptance probabilities: the prefix length with the most expected tokens per ms, by enumeration."""
+    from memory.planner import best_prefix
+
+    rng = np.random.default_rng(3)
+    curve = lambda s: 10.0 + 0.9 * (s - 1)  # noqa: E731
+    for _ in range(200):
+        p = rng.uniform(0, 1, rng.integers(1, 10))
+        rates = [1.0 / curve(1)] + [(1 + sum(np.prod(p[: j + 1]) for j in range(k))) / curve(k + 1)
+                                    for k in range(1, len(p) + 1)]
+        k, rate = best_prefix(p, curve)
+        assert k == int(np.argmax(rates)) and rate == pytest.approx(max(rates))
+    assert best_prefix([0.01, 0.9], curve)[0] == 0  # a weak first token: not worth a wider call
+    assert best_prefix([0.99] * 6, curve)[0] == 6
+    assert best_prefix([0.99] * 6, curve, min_call=8)[0] == 6  # a 7-wide call costs what the 8-wide minimum does
