@@ -19,8 +19,8 @@ from kernels.sampling import process_logits, sample_from
 from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
-from memory.acceptance import AcceptanceStats
-from memory.planner import DEFAULT_PRIORS, LatencyCurve, best_chain, best_chain_length, export_verify_shape
+from memory.acceptance import AcceptanceStats, TokenAcceptance
+from memory.planner import DEFAULT_PRIORS, LatencyCurve, best_chain_length, best_prefix, export_verify_shape
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .manifest import ModelDirError, check_drafter, load_manifest
@@ -134,6 +134,14 @@ class GenerationResult:
         return self.stats.steps
 
 
+def token_labels(d: Draft, kind: str, agreement: str = "") -> tuple[str, ...]:
+    """Acceptance labels of a free draft's tokens: what found each (`Draft.labels`, else its source, else the
+    drafter), "@1" for the first token and "@2+" for the others, plus whether the step's candidate chains agreed
+    on their first token ("/agree", "/split"; "" with a single candidate)."""
+    base = d.labels if d.labels is not None else (d.source or kind,) * len(d)
+    return tuple(f"{b}@{'1' if j == 0 else '2+'}{agreement}" for j, b in enumerate(base))
+
+
 class Engine:
     def __init__(self, model_dir: str | Path, drafter: str = "auto", threads: int = 2, context: int | None = None,
                  providers=("CPUExecutionProvider",), verify: str = "fast", profile=None,
@@ -166,6 +174,8 @@ class Engine:
         self.default_drafter = self._resolve(drafter)
         # adaptive draft length: online acceptance per drafter and measured call latency per call width
         self.acceptance: dict[str, AcceptanceStats] = {}
+        # free drafts: acceptance per kind of drafted token (what found it, first or later, candidates agreeing)
+        self.token_acceptance = TokenAcceptance({k: a for k, (a, _) in DEFAULT_PRIORS.items()})
         self._call_ms: dict[int, float] = {}
         self._curve = None
         self._draft_ms = 0.0  # model drafter: ms per drafted token (EMA)
@@ -229,10 +239,12 @@ class Engine:
 
     def _draft_free(self, drafter, kind: str, budget: int) -> Draft:
         """Drafters whose drafts cost nothing (lookup, recycling, hybrid on chains): draft the longest chain first,
-        then cut it to the length with the best expected tokens per millisecond by the acceptance statistics of its
-        source — a span found by a 4-gram match earns longer drafts than one found by a single token, the stand-in
-        for SpecDec++'s learned stopping head. With several candidate chains (hybrid: the retrieved span and the
-        recycling chain) the best rate wins. Nothing worth drafting: every PROBE_EVERY-th time a short probe."""
+        then cut it to the length with the best expected tokens per millisecond. Each token is priced by the
+        acceptance of its kind (`token_labels`): what found it (a span from a 4-gram match earns more than one
+        from a single token; a recycled successor of two tokens more than of one), whether it is the draft's first
+        token, and whether the candidates agreed on their first token — the stand-in for SpecDec++'s learned
+        stopping head. With several candidate chains (hybrid: the retrieved span and the recycling chain) the best
+        rate wins. Nothing worth drafting: every PROBE_EVERY-th time a short probe."""
         if budget <= 0:
             return Draft.empty()
         cands = [c for c in (drafter.chains(budget) if hasattr(drafter, "chains") else [drafter.draft(budget)])
@@ -245,12 +257,17 @@ class Engine:
                 memo[s] = self._verify_ms(s)
             return memo[s]
 
+        firsts = {int(c.tokens[0]) for c in cands}
+        agreement = "" if len(cands) < 2 else "/agree" if len(firsts) == 1 else "/split"
+        labelled = []
         for c in cands:
-            k, rate = best_chain(self._stats(c.source or kind), verify_ms, 0.0, len(c), self.target.min_call)
+            labels = token_labels(c, kind, agreement)
+            labelled.append(Draft.chain(c.tokens, None, c.source, labels))
+            k, rate = best_prefix(self.token_acceptance.probs(labels), verify_ms, self.target.min_call)
             if k and rate > best_rate:
-                best, best_rate = c.head(k), rate
-        if best is None and cands:
-            c = cands[0]
+                best, best_rate = labelled[-1].head(k), rate
+        if best is None and labelled:
+            c = labelled[0]
             k = self._probe(c.source or kind, len(c))
             best = c.head(k) if k else None
         return best or Draft.empty()
@@ -345,8 +362,10 @@ class Engine:
         cache.trim(cache.length - n)
         del self.cached[n:]
 
-    def _verify(self, root: int, d: Draft, p: GenerationParams, rng) -> tuple[list[int], list[int] | None, int]:
-        """One target call over [root] + draft → (committed tokens, tree path or None, next token)."""
+    def _verify(self, root: int, d: Draft, p: GenerationParams, rng, before: int | None = None
+                ) -> tuple[list[int], list[int] | None, int]:
+        """One target call over [root] + draft → (committed tokens, tree path or None, next token); `before` is the
+        committed token before the root (for Token Recycling's two-token successors)."""
         tokens = np.concatenate([[root], d.tokens]).astype(np.int64)
         L = self.target.cache.length
         greedy = p.temperature == 0
@@ -358,7 +377,7 @@ class Engine:
             logits = self.target.forward(tokens, layout.position_ids(L), layout.attention_bias(L), logits=not greedy)
         top = self.target.top_ids
         if top is not None:
-            self.recycling.observe(tokens, top)
+            self.recycling.observe(tokens, top, None if layout is None else layout.parents, before)
         argmax = (top[:, 0] if logits is None else logits.argmax(-1)) if greedy else None
         if layout is None:
             if greedy:
@@ -451,12 +470,14 @@ class Engine:
                 if kind == "model" and len(d):
                     self._draft_ms = 0.8 * self._draft_ms + 200 * (time.perf_counter() - ts) / len(d)
                 ts = time.perf_counter()
-                committed, path, nxt = self._verify(root, d, p, rng)
+                committed, path, nxt = self._verify(root, d, p, rng, out[-2] if len(out) >= 2 else ids[-1])
                 dt = time.perf_counter() - ts
                 st.target_s += dt
                 width = max(len(d) + 1, self.target.min_call)
                 self._call_ms[width] = 1000 * dt if width not in self._call_ms else \
                     0.8 * self._call_ms[width] + 200 * dt
+                if free and len(d):
+                    self.token_acceptance.update(d.labels, len(committed) - 1)
                 if d_chain and len(d):
                     self._stats(kind).update(len(d), len(committed) - 1)  # per drafter: what the planner reads
                     if d.source and d.source != kind:
@@ -553,6 +574,15 @@ class Chat:
             while len(self.messages) - first > 1 and self.messages[first]["role"] != "user":
                 del self.messages[first]
                 self.dropped += 1
+
+    def drafter_state(self):
+        """A copy of what drafting has learned from earlier answers (Token Recycling's tables, acceptance
+        statistics): `set_drafter_state` puts it back, e.g. so a benchmark's repeats never draft from their own
+        earlier answers."""
+        return copy.deepcopy((self.recycling, self.acceptance, self.token_acceptance, self._idle))
+
+    def set_drafter_state(self, state) -> None:
+        self.recycling, self.acceptance, self.token_acceptance, self._idle = copy.deepcopy(state)
 
     def reset(self, keep_drafter_state: bool = False) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []

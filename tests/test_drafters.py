@@ -108,3 +108,59 @@ def test_lookup_drafts_name_their_match_length():
     r = RecyclingDrafter(16, k=2, chains_only=True)
     h = HybridDrafter(d, r)
     assert [c.source for c in h.chains(3) if len(c)] == ["lookup:1"]  # recycling has seen nothing yet
+
+
+def test_recycling_pair_table_keys_on_the_token_before():
+    """Chains follow the successor of the last two tokens where that pair was verified, else of the last token; the
+    labels say which table each token came from. Chain rows pair with the row before, tree rows with their parent,
+    and the root with the committed token before it."""
+    d = RecyclingDrafter(100, k=2, chains_only=True)
+    d.observe([1, 2, 3], np.array([[2, 50], [3, 51], [4, 52]]), before=9)  # a chain call after ... 9
+    assert [d.pair_successor(9, 1), d.pair_successor(1, 2), d.pair_successor(2, 3)] == [2, 3, 4]
+    assert d.pair_successor(7, 2) is None  # never seen after 7
+    d.observe([2, 60, 61], np.array([[70, 71], [72, 73], [74, 75]]), parents=[-1, 0, 0], before=8)  # a tree
+    assert d.pair_successor(2, 61) == 74 and d.pair_successor(60, 61) is None  # 61's parent is the root, 2
+    assert d.pair_successor(1, 2) == 3  # another context of 2 kept its own successor
+    d.begin([5, 1, 2])  # ... 1, 2 pending
+    dr = d.draft(3)
+    # (1, 2) → 3 from the pair table; (2, 3) → 4; (3, 4) was never verified: 4's own row is empty (not seen) → stop
+    assert dr.tokens.tolist() == [3, 4] and dr.labels == ("recycling:b", "recycling:b")
+    d.begin([5, 6, 2])  # (6, 2) unknown: 2's one-token row (last written by the tree call) → 70
+    dr = d.draft(1)
+    assert dr.tokens.tolist() == [70] and dr.labels == ("recycling:u",)
+    d.accept([70, 71])
+    assert (d.prev, d.root) == (70, 71)
+
+
+def test_recycling_pair_table_is_bounded_and_evicts_without_lying():
+    """A fixed number of slots (memory stays under 2 MB at this vocabulary with the [V, k] matrix); a newer pair
+    that hashes to an occupied slot evicts the older one, which then reads as unknown, never as another's id."""
+    V = 49152
+    d = RecyclingDrafter(V, k=8)
+    assert d.nbytes < 2 * 1024 * 1024 and d.pair_key.dtype == np.uint32
+    keys = np.arange(1, 400_000, dtype=np.uint64)
+    slots = d._slots(keys)
+    first = {}
+    for k, s in zip(keys.tolist(), slots.tolist()):  # two keys sharing a slot
+        if s in first:
+            a, b = first[s], k
+            break
+        first[s] = k
+    (pa, ta), (pb, tb) = divmod(a, V), divmod(b, V)
+    d.observe([ta], np.array([[11] * 8]), before=pa)
+    assert d.pair_successor(pa, ta) == 11
+    d.observe([tb], np.array([[12] * 8]), before=pb)
+    assert d.pair_successor(pb, tb) == 12 and d.pair_successor(pa, ta) is None
+    big = RecyclingDrafter(262144, k=2)  # Gemma-3's vocabulary: keys no longer fit 32 bits
+    assert big.pair_key.dtype == np.uint64
+    big.observe([262143], np.array([[7, 8]]), before=262142)
+    assert big.pair_successor(262142, 262143) == 7
+
+
+def test_recycling_pair_slots_scalar_and_vector_agree():
+    d = RecyclingDrafter(49152, k=2)
+    rng = np.random.default_rng(0)
+    prev, tok = rng.integers(0, 49152, 500), rng.integers(0, 49152, 500)
+    for p, t in zip(prev.tolist(), tok.tolist()):  # written one by one through observe, read back by the scalar hash
+        d.observe([t], np.array([[t % 7, 0]]), before=p)
+        assert d.pair_successor(p, t) == t % 7

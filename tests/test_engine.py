@@ -244,9 +244,9 @@ def chains_engine(tiny_dir):
 
 @pytest.mark.parametrize("drafter", ["lookup", "recycling", "hybrid"])
 def test_adaptive_free_drafts_equal_plain(chains_engine, drafter):
-    """No draft_len: drafts are cut per step by their source's statistics (and hybrid picks between the retrieved
+    """No draft_len: drafts are cut per step by their tokens' acceptance (and hybrid picks between the retrieved
     span and the recycling chain); the output is still plain greedy's, drafts happen, and they were priced by
-    per-source statistics (the free-draft path ran)."""
+    per-token labels and per-source statistics (the free-draft path ran)."""
     e = chains_engine
     drafted = 0
     for p in PROMPTS + ["the quick brown fox the quick brown fox the quick brown"]:
@@ -257,6 +257,8 @@ def test_adaptive_free_drafts_equal_plain(chains_engine, drafter):
     assert drafted > 0
     sources = {k for k in e.acceptance if ":" in k or k == "recycling"}
     assert sources & ({"recycling"} if drafter == "recycling" else {f"lookup:{n}" for n in range(1, 5)}), sources
+    families = {k.split("@")[0].split(":")[0] for k in e.token_acceptance.count}
+    assert ("recycling" if drafter == "recycling" else "lookup") in families, e.token_acceptance
 
 
 class _Chains:
@@ -269,23 +271,34 @@ class _Chains:
         return [c.head(budget) for c in self._chains]
 
 
-def test_free_drafts_are_cut_by_their_sources_acceptance(tiny_dir):
+def test_free_drafts_are_cut_by_their_tokens_acceptance(tiny_dir):
     """A span from a reliable source keeps its length, one from an unreliable source is dropped (or cut to a probe),
-    and between two candidates the one with the better expected tokens per ms is verified."""
+    a chain is cut where its tokens turn unreliable, between two candidates the one with the better expected tokens
+    per ms is verified, and verification updates exactly the labels of the tokens it tested."""
     from edge.drafters import Draft
-    from memory.acceptance import AcceptanceStats
+    from edge.engine import token_labels
 
     e = edge.load(tiny_dir, drafter="none", context=512)
     e._call_ms = {s: 10.0 + 0.5 * s for s in range(1, 40)}  # a flat verify curve
-    e.acceptance["lookup:4"] = AcceptanceStats(0.95)
-    e.acceptance["lookup:1"] = AcceptanceStats(0.02)
-    e.acceptance["recycling"] = AcceptanceStats(0.5)
+    acc = e.token_acceptance
+    acc.rate.update({"lookup:4@1": 0.95, "lookup:4@2+": 0.95, "lookup:1@1": 0.02, "lookup:1@2+": 0.9,
+                     "recycling:u@1/split": 0.5, "recycling:u@2+/split": 0.5, "lookup:1@1/split": 0.02,
+                     "lookup:4@1/split": 0.95, "lookup:4@2+/split": 0.95,
+                     "recycling:b@1": 0.9, "recycling:b@2+": 0.9, "recycling:u@2+": 0.05})
     span4 = Draft.chain(range(10, 22), source="lookup:4")
     span1 = Draft.chain(range(30, 42), source="lookup:1")
-    rec = Draft.chain(range(50, 58), source="recycling")
+    rec = Draft.chain(range(50, 58), source="recycling", labels=["recycling:u"] * 8)
+    mixed = Draft.chain(range(60, 66), source="recycling", labels=["recycling:b"] * 3 + ["recycling:u"] * 3)
     assert len(e._draft_free(_Chains(span4), "lookup", 12)) == 12
     got = [len(e._draft_free(_Chains(span1), "lookup", 12)) for _ in range(16)]
     assert max(got) <= 2 and 0 < sum(got) <= 4  # no drafts but the occasional 2-token probe
+    assert len(e._draft_free(_Chains(mixed), "recycling", 6)) == 3  # cut where the one-token successors begin
     pick = e._draft_free(_Chains(span1, rec), "hybrid", 12)
-    assert pick.source == "recycling" and 0 < len(pick) <= 8
-    assert e._draft_free(_Chains(span4, rec), "hybrid", 12).source == "lookup:4"
+    assert pick.source == "recycling" and 0 < len(pick) <= 8 and pick.labels[0] == "recycling:u@1/split"
+    best = e._draft_free(_Chains(span4, rec), "hybrid", 12)
+    assert best.source == "lookup:4" and best.labels[:2] == ("lookup:4@1/split", "lookup:4@2+/split")
+    assert token_labels(Draft.chain([1, 2]), "hybrid", "/agree") == ("hybrid@1/agree", "hybrid@2+/agree")
+    before = dict(acc.count)
+    acc.update(best.labels[:3], 1)  # what the engine does after verifying: first accepted, second rejected
+    assert acc.count["lookup:4@1/split"] == before.get("lookup:4@1/split", 0) + 1
+    assert acc.count["lookup:4@2+/split"] == before.get("lookup:4@2+/split", 0) + 1  # once: the third never ran
