@@ -1,7 +1,9 @@
 """edge-bench: decode speed of several drafter modes on one loaded model, over a JSONL prompt file.
 
 Modes alternate per prompt (so drift of the machine's speed hits every mode alike), each prompt is repeated
---reps times, and figures are medians. Every mode's greedy output is compared token for token with `none`.
+--reps times, and figures are medians. Every run of a prompt starts from the drafter state the earlier prompts
+left (Token Recycling's tables, acceptance statistics), never from one that has seen this prompt's own answer.
+Every mode's greedy output is compared token for token with `none`.
 Writes JSON (per prompt and per category) and a markdown table; asserts nothing about speed.
 """
 from __future__ import annotations
@@ -162,18 +164,26 @@ def main(argv=None) -> int:
         except ImportError:
             pass
     runs = []
+    state = engine.drafter_state()
     _run_one(engine, items[0], "none", a)  # warm-up
+    engine.set_drafter_state(state)
     t0 = time.time()
     try:
-        for rep in range(a.reps):
-            for i, it in enumerate(items):
-                order = modes[i % len(modes):] + modes[: i % len(modes)]  # rotate: no mode always runs first
-                for m in order:
+        for i, it in enumerate(items):
+            # every run of this prompt drafts from what the earlier prompts taught (a long-running assistant's
+            # state), never from this prompt's own earlier answers: Token Recycling would recall them
+            before, after = engine.drafter_state(), None
+            for rep in range(a.reps):
+                k = (i + rep) % len(modes)
+                for m in modes[k:] + modes[:k]:  # rotate: no mode always runs first
+                    engine.set_drafter_state(before)
                     for rec in _run_one(engine, it, m, a):
                         rec["rep"] = rep
                         runs.append(rec)
+                    after = after or engine.drafter_state()
                     if bar:
                         bar.update(1)
+            engine.set_drafter_state(after)
     except KeyboardInterrupt:
         print("edge-bench: interrupted; summarizing what ran", file=sys.stderr)
     if bar:

@@ -7,6 +7,7 @@ request (or chat turn) re-uses the longest common prefix and prefills only what 
 """
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -518,6 +519,15 @@ class Engine:
 
     def chat(self, system: str | None = None, overflow: str = "refuse") -> "Chat":
         return Chat(self, system, overflow)
+
+    def drafter_state(self):
+        """A copy of what drafting has learned from earlier answers (Token Recycling's tables, acceptance
+        statistics): `set_drafter_state` puts it back, e.g. so a benchmark's repeats never draft from their own
+        earlier answers."""
+        return copy.deepcopy((self.recycling, self.acceptance, self.token_acceptance, self._idle))
+
+    def set_drafter_state(self, state) -> None:
+        self.recycling, self.acceptance, self.token_acceptance, self._idle = copy.deepcopy(state)
 
     def reset(self, keep_drafter_state: bool = False) -> None:
         """Forget the KV cache; Token Recycling's matrix and the lookup history survive only if asked."""

@@ -78,3 +78,38 @@ def test_engine_flags_shared_by_chat_and_serve():
     chat = {a.dest for a in chat_parser()._actions} & load_kw
     serve = {a.dest for a in serve_parser()._actions} & load_kw
     assert chat == serve and {"drafter", "threads", "context", "budget_mb"} <= serve
+
+
+def test_bench_repeats_never_draft_from_their_own_answers(model, tmp_path):
+    """Every repeat of a prompt starts from the same drafter state (what earlier prompts taught): with a fixed draft
+    length the recycling runs of one prompt draft and accept exactly alike. Without the reset, a repeat recalls the
+    answer an earlier repeat (or the `none` run) fed into Token Recycling's tables."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "category": "qa", "turns": [t]})
+                                 for i, t in enumerate(["the quick brown fox", "one two three four"])) + "\n")
+    out = tmp_path / "b.json"
+    r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "3", "--max-tokens", "24", "--modes",
+              "none,recycling", "--draft-len", "4", "--out", str(out), "--quiet"])
+    assert r.returncode == 0, r.stderr
+    runs = json.loads(out.read_text())["runs"]
+    for pid in ("x0", "x1"):
+        rec = [(x["drafted"], x["accepted"], x["tokens"]) for x in runs if x["id"] == pid and x["mode"] == "recycling"]
+        assert len(rec) == 3 and rec[0] == rec[1] == rec[2], rec
+
+
+def test_drafter_state_round_trip(model):
+    import numpy as np
+
+    import edge
+
+    e = edge.load(model, drafter="none", context=256)
+    e.generate("the quick brown fox", max_tokens=8, drafter="recycling")
+    state = e.drafter_state()
+    adj = e.recycling.adj.copy()
+    e.generate("one two three four five", max_tokens=8, drafter="recycling")
+    assert not np.array_equal(e.recycling.adj, adj)  # the second answer taught it something
+    e.set_drafter_state(state)
+    assert np.array_equal(e.recycling.adj, adj)
+    e.recycling.adj[:] = 0  # the snapshot is a copy, not the live tables
+    e.set_drafter_state(state)
+    assert np.array_equal(e.recycling.adj, adj)
