@@ -585,15 +585,6 @@ class Chat:
                 del self.messages[first]
                 self.dropped += 1
 
-    def drafter_state(self):
-        """A copy of what drafting has learned from earlier answers (Token Recycling's tables, acceptance
-        statistics): `set_drafter_state` puts it back, e.g. so a benchmark's repeats never draft from their own
-        earlier answers."""
-        return copy.deepcopy((self.recycling, self.acceptance, self.token_acceptance, self._idle))
-
-    def set_drafter_state(self, state) -> None:
-        self.recycling, self.acceptance, self.token_acceptance, self._idle = copy.deepcopy(state)
-
     def reset(self, keep_drafter_state: bool = False) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.engine.reset(keep_drafter_state)
