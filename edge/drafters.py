@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.sampling import process_logits, sample_from
+from memory.footprint import RECYCLING_PAIR_SLOTS
 
 
 @dataclass
@@ -244,7 +245,7 @@ class RecyclingDrafter:
     each token's label says which table it came from, so the engine prices them apart."""
 
     name = "recycling"
-    PAIR_SLOTS = 1 << 17
+    PAIR_SLOTS = RECYCLING_PAIR_SLOTS  # the footprint model counts the same bytes
 
     def __init__(self, vocab: int, k: int = 8, nodes: int = 8, chains_only: bool = False):
         self.k = k

@@ -16,6 +16,8 @@ Components of `predict_peak` (each in bytes, named in `Footprint.parts`):
     verify.work       sampling only: p [S, V] float32 and the model drafter's q [K, V] float64
     lookup.state      prompt-lookup history + n-gram index (bytes per context token)
     recycling.matrix  Token Recycling's adjacency matrix [V, k] (uint16 when V < 65536, else int32) + a [V] bool mask
+    recycling.pairs   its two-token successor table: RECYCLING_PAIR_SLOTS keys (uint32 when V² fits, else uint64)
+                      and ids (like the matrix's)
 
 where <g> is `target` or `drafter` (a model drafter only), S the rows of a call, R the logits rows it keeps,
 T = context + S the attention span.
@@ -38,6 +40,7 @@ FLOAT_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int4": 4, "w8a8": 4}
 # (max_ngram - min_ngram + 1) = 4 new n-grams per token.
 LOOKUP_BYTES_PER_TOKEN = 8 + 4 * 120
 RECYCLING_K = 8
+RECYCLING_PAIR_SLOTS = 1 << 17  # Token Recycling's hashed two-token successor table (edge.drafters)
 # edge.runner.GraphSession: calls of up to 256 rows with all logits kept; a prefill chunk of 512 keeps one row
 MAX_CALL = 256
 PREFILL_CHUNK = 512
@@ -412,4 +415,6 @@ def predict_peak(manifest, plan, context: int, calib: Calibration | None = None,
     if spec.drafter in ("recycling", "hybrid"):
         elem = 2 if a["vocab"] < 65536 else 4  # + the drafter's `seen` mask, one bool per token
         parts.append(("recycling.matrix", a["vocab"] * spec.recycling_k * elem + a["vocab"]))
+        key = 4 if a["vocab"] ** 2 < 2 ** 32 - 1 else 8
+        parts.append(("recycling.pairs", RECYCLING_PAIR_SLOTS * (key + elem)))
     return Footprint(context, tuple(parts))

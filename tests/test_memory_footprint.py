@@ -207,6 +207,20 @@ def test_recycling_matrix_dtype_follows_vocab():
         g["vocab"], g["weight_bytes"] = 128256, 0
     fp = predict_peak(Manifest.from_dict(big), Speculation("recycling", 16, recycling_k=4), 512)
     assert fp["recycling.matrix"] == 128256 * 4 * 4 + 128256  # int32 ids
+    assert fp["recycling.pairs"] == (1 << 17) * (8 + 4)  # 128256² does not fit uint32 keys
+
+
+@pytest.mark.parametrize("vocab,k", [(49152, 8), (128256, 4)])
+def test_recycling_bytes_are_the_drafters_own(vocab, k):
+    """The footprint model counts exactly the arrays RecyclingDrafter allocates (matrix, mask, pair table)."""
+    from edge.drafters import RecyclingDrafter
+
+    big = copy.deepcopy(SMOLLM2)
+    big["arch"]["vocab"] = vocab
+    for g in big["graphs"]:
+        g["vocab"], g["weight_bytes"] = vocab, 0
+    fp = predict_peak(Manifest.from_dict(big), Speculation("recycling", 16, recycling_k=k), 512)
+    assert fp["recycling.matrix"] + fp["recycling.pairs"] == RecyclingDrafter(vocab, k=k).nbytes
 
 
 def test_hybrid_holds_both_model_free_states():

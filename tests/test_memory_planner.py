@@ -180,7 +180,7 @@ def test_replanning_shrinks_tree_then_k_then_drafter_then_plain():
     assert ("hybrid", "best-first") in kinds  # cheaper drafters on the way down
     sizes = [p.nodes for p in seq if p.drafter == "hybrid"]
     assert len(set(sizes)) > 5 and sizes == sorted(sizes, reverse=True)  # the tree shrank step by step
-    assert "re-planned from" in seq[-1].reason
+    assert "re-planned from" in next(p for p in seq if p.drafter == "none").reason  # it says what it gave up
 
 
 def test_preallocated_capacity():
