@@ -45,9 +45,6 @@ class Draft:
         return Draft.chain(self.tokens[:n], None if self.q is None else self.q[:n], self.source,
                            None if self.labels is None else self.labels[:n])
 
-    def token_labels(self) -> tuple[str, ...]:
-        return self.labels if self.labels is not None else (self.source,) * len(self)
-
     @property
     def is_chain(self) -> bool:
         return bool(np.array_equal(self.parents, np.arange(len(self.tokens))))
@@ -284,7 +281,7 @@ class RecyclingDrafter:
     def template(self, nodes: int) -> list[tuple[int, int]]:
         t = self._templates.get(nodes)
         if t is None:
-            t = [(i - 1, 0) for i in range(nodes)] if self.chains_only else tree_template(nodes, self.rank_prior())
+            t = tree_template(nodes, self.rank_prior())  # chains-only targets draft `_chain` instead
             self._templates[nodes] = t
         return t
 
