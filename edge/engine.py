@@ -217,7 +217,7 @@ class Engine:
     def _stats(self, kind: str) -> AcceptanceStats:
         st = self.acceptance.get(kind)
         if st is None:
-            prior = DEFAULT_PRIORS.get(kind.split(":")[0], (0.3, 1.0))[0]  # "lookup:3" starts from lookup's
+            prior = DEFAULT_PRIORS.get(kind, (0.3, 1.0))[0]
             if kind == "model":
                 prior = max((g.stats.get("top1_agreement", 0.3) for g in self.manifest.drafters), default=0.3)
             st = self.acceptance[kind] = AcceptanceStats(prior)
@@ -481,7 +481,7 @@ class Engine:
                     self.token_acceptance.update(d.labels, len(committed) - 1)
                 if d_chain and len(d):
                     self._stats(kind).update(len(d), len(committed) - 1)  # per drafter: what the planner reads
-                    if d.source and d.source != kind:
+                    if d.source in DRAFTERS and d.source != kind:  # hybrid's recycling chain: recycling's too
                         self._stats(d.source).update(len(d), len(committed) - 1)
                 self._commit(committed, path)
                 st.steps += 1
