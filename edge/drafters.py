@@ -68,6 +68,9 @@ class NoDrafter:
         pass
 
 
+LONG_MATCH = (4, 8, 16, 32)  # lookup label classes once the longest n-gram matches (see _match_class)
+
+
 class LookupDrafter:
     """Prompt lookup over the whole history (prompt, earlier turns, this answer): find the most recent earlier
     occurrence of the longest suffix n-gram and propose what followed it. A second turn that repeats or edits
@@ -109,8 +112,20 @@ class LookupDrafter:
         for n in range(min(self.max_ngram, len(h)), self.min_ngram - 1, -1):
             pos = self.index.get(tuple(h[len(h) - n :]))
             if pos is not None:  # a longer match is a more reliable continuation: its own statistics
-                return Draft.chain(h[pos : pos + budget], source=f"lookup:{n}")
+                return Draft.chain(h[pos : pos + budget], source=f"lookup:{self._match_class(pos, n)}")
         return Draft.empty()
+
+    def _match_class(self, pos: int, n: int) -> int:
+        """The label's match length: n below max_ngram; at max_ngram the match is followed further back and
+        classed 4 / 8 / 16 / 32 (at least that many tokens match). A span that has matched 30 tokens — a
+        second turn rewriting the first answer, a summary quoting its source — is continued far more often than
+        one found by a 4-gram, so it earns its own acceptance rate and longer drafts."""
+        if n < self.max_ngram:
+            return n
+        h, end, m = self.history, len(self.history), n
+        while m < LONG_MATCH[-1] and pos - 1 - m >= 0 and h[pos - 1 - m] == h[end - 1 - m]:
+            m += 1
+        return max(b for b in LONG_MATCH if b <= m) if m >= LONG_MATCH[0] else n
 
     def accept(self, tokens) -> None:
         self._extend(tokens)

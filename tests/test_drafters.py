@@ -110,6 +110,19 @@ def test_lookup_drafts_name_their_match_length():
     assert [c.source for c in h.chains(3) if len(c)] == ["lookup:1"]  # recycling has seen nothing yet
 
 
+@pytest.mark.parametrize("run,label", [(4, "lookup:4"), (7, "lookup:4"), (8, "lookup:8"), (15, "lookup:8"),
+                                       (16, "lookup:16"), (31, "lookup:16"), (32, "lookup:32"), (60, "lookup:32")])
+def test_lookup_labels_long_matches_by_how_far_they_match(run, label):
+    """At the longest n-gram the match is followed further back: a span continuing a 20-token repeat (a rewrite
+    of an earlier answer) is labelled apart from one found by a bare 4-gram."""
+    rng = np.random.default_rng(run)
+    text = rng.permutation(1000)[:run + 10].tolist()
+    d = LookupDrafter(max_ngram=4)
+    d.begin([5000] + text + [6000] + text[:run])  # the last `run` tokens repeat text[:run]; a distinct token before
+    got = d.draft(3)
+    assert got.source == label and got.tokens.tolist() == text[run : run + 3]
+
+
 def test_recycling_pair_table_keys_on_the_token_before():
     """Chains follow the successor of the last two tokens where that pair was verified, else of the last token; the
     labels say which table each token came from. Chain rows pair with the row before, tree rows with their parent,
