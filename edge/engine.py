@@ -177,6 +177,7 @@ class Engine:
         self.acceptance: dict[str, AcceptanceStats] = {}
         # free drafts: acceptance per kind of drafted token (what found it, first or later, candidates agreeing)
         self.token_acceptance = TokenAcceptance({k: a for k, (a, _) in DEFAULT_PRIORS.items()})
+        self._unverified: list[Draft] = []  # this step's candidate chains that were not verified
         self._call_ms: dict[int, float] = {}
         self._curve = None
         self._draft_ms = 0.0  # model drafter: ms per drafted token (EMA)
@@ -246,6 +247,7 @@ class Engine:
         token, and whether the candidates agreed on their first token — the stand-in for SpecDec++'s learned
         stopping head. With several candidate chains (hybrid: the retrieved span and the recycling chain) the best
         rate wins. Nothing worth drafting: every PROBE_EVERY-th time a short probe."""
+        self._unverified = []
         if budget <= 0:
             return Draft.empty()
         cands = [c for c in (drafter.chains(budget) if hasattr(drafter, "chains") else [drafter.draft(budget)])
@@ -260,18 +262,30 @@ class Engine:
 
         firsts = {int(c.tokens[0]) for c in cands}
         agreement = "" if len(cands) < 2 else "/agree" if len(firsts) == 1 else "/split"
-        labelled = []
-        for c in cands:
+        labelled, chosen = [], None
+        for i, c in enumerate(cands):
             labels = token_labels(c, kind, agreement)
             labelled.append(Draft.chain(c.tokens, None, c.source, labels))
             k, rate = best_prefix(self.token_acceptance.probs(labels), verify_ms, self.target.min_call)
             if k and rate > best_rate:
-                best, best_rate = labelled[-1].head(k), rate
+                best, best_rate, chosen = labelled[-1].head(k), rate, i
         if best is None and labelled:
-            c = labelled[0]
-            k = self._probe(c.source or kind, len(c))
-            best = c.head(k) if k else None
+            k = self._probe(labelled[0].source or kind, len(labelled[0]))
+            best, chosen = (labelled[0].head(k), 0) if k else (None, None)
+        self._unverified = [c for i, c in enumerate(labelled) if i != chosen]
         return best or Draft.empty()
+
+    def _learn_unverified(self, truth: list[int]) -> None:
+        """The candidates this step did not verify are scored against what the target produced (`truth`: the
+        accepted tokens and the bonus), as far as it reaches: a deterministic draft token would have been accepted
+        exactly when it equals the target's token there. Without this a kind of token that is never chosen keeps
+        its prior forever (a second turn's long retrieved spans lost to recycling chains priced on what they had
+        earned while lookup's labels never moved)."""
+        for c in self._unverified:
+            n = min(len(c), len(truth))
+            j = next((i for i in range(n) if int(c.tokens[i]) != truth[i]), n)
+            self.token_acceptance.update(c.labels[: j + 1] if j < n else c.labels[:n], j)
+        self._unverified = []
 
     # ------------------------------------------------------------------ drafters
     def _resolve(self, kind: str) -> str:
@@ -479,6 +493,8 @@ class Engine:
                     0.8 * self._call_ms[width] + 200 * dt
                 if free and len(d):
                     self.token_acceptance.update(d.labels, len(committed) - 1)
+                if free:
+                    self._learn_unverified(committed[1:] + [nxt])
                 if d_chain and len(d):
                     self._stats(kind).update(len(d), len(committed) - 1)  # per drafter: what the planner reads
                     if d.source in DRAFTERS and d.source != kind:  # hybrid's recycling chain: recycling's too

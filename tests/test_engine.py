@@ -256,8 +256,10 @@ def test_adaptive_free_drafts_equal_plain(chains_engine, drafter):
         drafted += got.stats.drafted
     assert drafted > 0
     sources = {k.split("@")[0] for k in e.token_acceptance.count}  # what found the tokens that were verified
-    assert sources & ({"recycling:b", "recycling:u"} if drafter == "recycling" else
-                      {f"lookup:{n}" for n in range(1, 5)}), e.token_acceptance
+    recycled, looked_up = {"recycling:b", "recycling:u"}, {f"lookup:{n}" for n in (1, 2, 3, 4, 8, 16, 32)}
+    assert sources & (recycled if drafter == "recycling" else looked_up), e.token_acceptance
+    if drafter == "hybrid":  # the candidate not verified learns too (scored against the target's tokens)
+        assert sources & recycled and sources & looked_up, e.token_acceptance
 
 
 class _Chains:
@@ -301,3 +303,30 @@ def test_free_drafts_are_cut_by_their_tokens_acceptance(tiny_dir):
     acc.update(best.labels[:3], 1)  # what the engine does after verifying: first accepted, second rejected
     assert acc.count["lookup:4@1/split"] == before.get("lookup:4@1/split", 0) + 1
     assert acc.count["lookup:4@2+/split"] == before.get("lookup:4@2+/split", 0) + 1  # once: the third never ran
+
+
+def test_candidates_not_verified_are_scored_against_the_target(tiny_dir):
+    """Hybrid verifies one of its candidate chains; the other is scored against the tokens the target produced
+    (accepted + bonus) as far as they reach, so a kind of token that is never chosen still learns its rate."""
+    from edge.drafters import Draft
+
+    e = edge.load(tiny_dir, drafter="none", context=512)
+    e._call_ms = {s: 10.0 + 0.5 * s for s in range(1, 40)}
+    acc = e.token_acceptance
+    acc.rate.update({"lookup:4@1/split": 0.95, "lookup:4@2+/split": 0.95,
+                     "recycling:u@1/split": 0.1, "recycling:u@2+/split": 0.1})
+    span4 = Draft.chain(range(10, 22), source="lookup:4")
+    rec = Draft.chain(range(50, 58), source="recycling", labels=["recycling:u"] * 8)
+    assert e._draft_free(_Chains(span4, rec), "hybrid", 12).source == "lookup:4"
+    before = dict(acc.count)
+    e._learn_unverified([50, 51, 99])  # the target wrote 50, 51, then not 52: recycling would have earned two
+    assert acc.count["recycling:u@1/split"] == before.get("recycling:u@1/split", 0) + 1
+    assert acc.count["recycling:u@2+/split"] == before.get("recycling:u@2+/split", 0) + 2
+    assert acc.rate["recycling:u@1/split"] > 0.1 and all(acc.count.get(k) == v for k, v in before.items()
+                                                         if k.startswith("lookup"))
+    assert e._unverified == []  # scored once
+    e._draft_free(_Chains(span4, rec), "hybrid", 12)
+    before = dict(acc.count)
+    e._learn_unverified([50])  # only one token known: it matched, nothing after it was tested
+    assert acc.count["recycling:u@1/split"] == before["recycling:u@1/split"] + 1
+    assert acc.count["recycling:u@2+/split"] == before["recycling:u@2+/split"]
