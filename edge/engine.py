@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -135,12 +135,23 @@ class GenerationResult:
         return self.stats.steps
 
 
-def token_labels(d: Draft, kind: str, agreement: str = "") -> tuple[str, ...]:
+def token_labels(d: Draft, kind: str, others: Sequence[Draft] = ()) -> tuple[str, ...]:
     """Acceptance labels of a free draft's tokens: what found each (`Draft.labels`, else its source, else the
-    drafter), "@1" for the first token and "@2+" for the others, plus whether the step's candidate chains agreed
-    on their first token ("/agree", "/split"; "" with a single candidate)."""
+    drafter), "@1" for the first token and "@2+" for the others, plus, when the step has other candidate chains,
+    whether one of them drafted the same tokens up to and including this one ("/agree"), none had even the first
+    token ("/split"), or they agreed at first and parted before this token ("/parted")."""
     base = d.labels if d.labels is not None else (d.source or kind,) * len(d)
-    return tuple(f"{b}@{'1' if j == 0 else '2+'}{agreement}" for j, b in enumerate(base))
+    if not others:
+        return tuple(f"{b}@{'1' if j == 0 else '2+'}" for j, b in enumerate(base))
+    toks = d.tokens.tolist()
+    common = 0  # longest prefix any other candidate shares with this one
+    for o in others:
+        ot, n = o.tokens.tolist(), 0
+        while n < min(len(ot), len(toks)) and ot[n] == toks[n]:
+            n += 1
+        common = max(common, n)
+    return tuple(f"{b}@{'1' if j == 0 else '2+'}{'/agree' if j < common else '/parted' if common else '/split'}"
+                 for j, b in enumerate(base))
 
 
 class Engine:
@@ -244,7 +255,7 @@ class Engine:
         then cut it to the length with the best expected tokens per millisecond. Each token is priced by the
         acceptance of its kind (`token_labels`): what found it (a span from a 4-gram match earns more than one
         from a single token; a recycled successor of two tokens more than of one), whether it is the draft's first
-        token, and whether the candidates agreed on their first token — the stand-in for SpecDec++'s learned
+        token, and whether another candidate drafted the same tokens so far — the stand-in for SpecDec++'s learned
         stopping head. With several candidate chains (hybrid: the retrieved span and the recycling chain) the best
         rate wins. Nothing worth drafting: every PROBE_EVERY-th time a short probe."""
         self._unverified = []
@@ -260,11 +271,9 @@ class Engine:
                 memo[s] = self._verify_ms(s)
             return memo[s]
 
-        firsts = {int(c.tokens[0]) for c in cands}
-        agreement = "" if len(cands) < 2 else "/agree" if len(firsts) == 1 else "/split"
         labelled, chosen = [], None
         for i, c in enumerate(cands):
-            labels = token_labels(c, kind, agreement)
+            labels = token_labels(c, kind, cands[:i] + cands[i + 1 :])
             labelled.append(Draft.chain(c.tokens, None, c.source, labels))
             k, rate = best_prefix(self.token_acceptance.probs(labels), verify_ms, self.target.min_call)
             if k and rate > best_rate:

@@ -298,7 +298,11 @@ def test_free_drafts_are_cut_by_their_tokens_acceptance(tiny_dir):
     assert pick.source == "recycling" and 0 < len(pick) <= 8 and pick.labels[0] == "recycling:u@1/split"
     best = e._draft_free(_Chains(span4, rec), "hybrid", 12)
     assert best.source == "lookup:4" and best.labels[:2] == ("lookup:4@1/split", "lookup:4@2+/split")
-    assert token_labels(Draft.chain([1, 2]), "hybrid", "/agree") == ("hybrid@1/agree", "hybrid@2+/agree")
+    assert token_labels(Draft.chain([1, 2]), "hybrid") == ("hybrid@1", "hybrid@2+")
+    other = Draft.chain([1, 2, 7])
+    assert token_labels(Draft.chain([1, 2, 3, 4]), "hybrid", [other]) == (
+        "hybrid@1/agree", "hybrid@2+/agree", "hybrid@2+/parted", "hybrid@2+/parted")
+    assert token_labels(Draft.chain([5, 2]), "hybrid", [other]) == ("hybrid@1/split", "hybrid@2+/split")
     before = dict(acc.count)
     acc.update(best.labels[:3], 1)  # what the engine does after verifying: first accepted, second rejected
     assert acc.count["lookup:4@1/split"] == before.get("lookup:4@1/split", 0) + 1
