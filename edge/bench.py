@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="after each first answer, send TEXT as a second turn (e.g. a rewrite request); measured "
                          "under category '<cat>+turn2'")
     ap.add_argument("--draft-len", type=int, help="draft length override")
+    ap.add_argument("--cold", action="store_true",
+                    help="every prompt starts from a fresh drafter state (the first answer of a new process) instead "
+                         "of what the earlier prompts taught (a long-running assistant)")
     ap.add_argument("--out", default="bench-out/edge-bench.json", help="JSON output (default bench-out/edge-bench.json)")
     ap.add_argument("--quiet", action="store_true")
     return ap
@@ -74,6 +77,20 @@ def _run_one(engine, it: dict, mode: str, a) -> list[dict]:
                      "mean_accepted": st.mean_accepted, "target_s": st.target_s, "draft_s": st.draft_s,
                      "overhead_ms_per_step": st.overhead_ms_per_step})
     return recs
+
+
+def _tested(acc) -> dict[str, tuple[float, float]]:
+    """Per label: (accepted, tested) drafted tokens so far."""
+    return {x: (acc.hits.get(x, 0.0), n) for x, n in acc.count.items()}
+
+
+def _add_learned(total: dict, before: dict, after: dict) -> None:
+    """Add one run's share (after - before) of accepted/tested tokens per label to `total`."""
+    for x, (h, n) in after.items():
+        h0, n0 = before.get(x, (0.0, 0.0))
+        if n > n0:
+            th, tn = total.get(x, (0.0, 0.0))
+            total[x] = (th + h - h0, tn + n - n0)
 
 
 def summarize(runs: list[dict], modes: list[str]) -> dict:
@@ -164,23 +181,26 @@ def main(argv=None) -> int:
         except ImportError:
             pass
     runs = []
-    state = engine.drafter_state()
+    fresh = engine.drafter_state()
     _run_one(engine, items[0], "none", a)  # warm-up
-    engine.set_drafter_state(state)
+    engine.set_drafter_state(fresh)
+    learned: dict[str, tuple[float, float]] = {}  # label -> (accepted, tested) over every speculative run
     t0 = time.time()
     try:
         for i, it in enumerate(items):
             # every run of this prompt drafts from what the earlier prompts taught (a long-running assistant's
             # state), never from this prompt's own earlier answers: Token Recycling would recall them
-            before, after = engine.drafter_state(), None
+            before, after = fresh if a.cold else engine.drafter_state(), None
             for rep in range(a.reps):
                 k = (i + rep) % len(modes)
                 for m in modes[k:] + modes[:k]:  # rotate: no mode always runs first
                     engine.set_drafter_state(before)
+                    tested = _tested(engine.token_acceptance)
                     for rec in _run_one(engine, it, m, a):
                         rec["rep"] = rep
                         runs.append(rec)
                     after = after or engine.drafter_state()
+                    _add_learned(learned, tested, _tested(engine.token_acceptance))
                     if bar:
                         bar.update(1)
             engine.set_drafter_state(after)
@@ -193,7 +213,10 @@ def main(argv=None) -> int:
     doc = {"summary": summary, "modes": modes, "reps": a.reps, "max_tokens": a.max_tokens,
            "model": m.name, "precision": m.target.precision, "threads": a.threads,
            "peak_rss_mb": round(peak_rss_mb(), 1), "wall_s": round(time.time() - t0, 1),
-           "min_call": engine.target.min_call, "runs": runs}
+           "min_call": engine.target.min_call, "cold": a.cold,
+           "token_acceptance": {x: {"lifetime": round(h / n, 4), "n": int(n)} for x, (h, n) in
+                                sorted(learned.items())},
+           "runs": runs}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc))

@@ -251,9 +251,13 @@ class TokenAcceptance:
         self.default, self.beta, self.prior_weight = default, beta, prior_weight
         self.rate: dict[str, float] = {}
         self.count: dict[str, float] = {}
+        self.hits: dict[str, float] = {}  # accepted of `count` tested, over the whole life (the EMA forgets)
 
     def _prior(self, label: str) -> float:
-        return self.priors.get(label.split("@")[0].split(":")[0], self.default)
+        """The label's own prior if there is one (measured rates, `MEASURED_TOKEN_PRIORS`), else its family's
+        ("lookup", "recycling"), else the default."""
+        p = self.priors.get(label)
+        return p if p is not None else self.priors.get(label.split("@")[0].split(":")[0], self.default)
 
     def probs(self, labels: Sequence[str]) -> np.ndarray:
         """[N] conditional acceptance of each token given all before it were accepted."""
@@ -270,6 +274,12 @@ class TokenAcceptance:
             w = max(self.beta, 1.0 / (n + self.prior_weight))
             self.rate[x] = old + w * (float(j < accepted) - old)
             self.count[x] = n + 1
+            self.hits[x] = self.hits.get(x, 0.0) + float(j < accepted)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        """Per label: the current (moving) rate, the lifetime rate and how many tokens were tested."""
+        return {x: {"rate": round(self.rate[x], 4), "lifetime": round(self.hits.get(x, 0.0) / n, 4), "n": int(n)}
+                for x, n in sorted(self.count.items())}
 
     def __repr__(self) -> str:
         return "TokenAcceptance(" + ", ".join(f"{k}={v:.2f}" for k, v in sorted(self.rate.items())) + ")"

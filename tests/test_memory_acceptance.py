@@ -151,3 +151,15 @@ def test_token_acceptance_updates_the_tested_tokens_only():
     for _ in range(200):  # long runs converge to the observed rate
         t.update(["e@1", "e@1"], 1)
     assert t.probs(["e@1"])[0] == pytest.approx(0.5, abs=0.1)
+
+
+def test_token_acceptance_label_priors_and_lifetime_summary():
+    """A label's own prior wins over its family's; the summary keeps the lifetime rate the moving average forgets."""
+    from memory.acceptance import TokenAcceptance
+
+    t = TokenAcceptance({"lookup": 0.3, "lookup:32@2+/agree": 0.9}, beta=0.5, prior_weight=1.0)
+    assert t.probs(["lookup:32@2+/agree", "lookup:32@1/agree"]).tolist() == [0.9, 0.3]
+    for accepted in (1, 1, 1, 0):
+        t.update(["x@1"], accepted)
+    s = t.summary()["x@1"]
+    assert s["n"] == 4 and s["lifetime"] == 0.75 and s["rate"] == 0.5  # the last miss weighs half the EMA
