@@ -20,7 +20,7 @@ from kernels.sampling import process_logits, sample_from
 from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
-from memory.acceptance import AcceptanceStats, TokenAcceptance
+from memory.acceptance import MEASURED_TOKEN_PRIORS, AcceptanceStats, TokenAcceptance
 from memory.planner import DEFAULT_PRIORS, LatencyCurve, best_chain_length, best_prefix, export_verify_shape
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
@@ -187,7 +187,8 @@ class Engine:
         # adaptive draft length: online acceptance per drafter and measured call latency per call width
         self.acceptance: dict[str, AcceptanceStats] = {}
         # free drafts: acceptance per kind of drafted token (what found it, first or later, candidates agreeing)
-        self.token_acceptance = TokenAcceptance({k: a for k, (a, _) in DEFAULT_PRIORS.items()})
+        self.token_acceptance = TokenAcceptance({**{k: a for k, (a, _) in DEFAULT_PRIORS.items()},
+                                                 **MEASURED_TOKEN_PRIORS})
         self._unverified: list[Draft] = []  # this step's candidate chains that were not verified
         self._call_ms: dict[int, float] = {}
         self._curve = None
