@@ -40,8 +40,9 @@ def _parser() -> argparse.ArgumentParser:
                          "under category '<cat>+turn2'")
     ap.add_argument("--draft-len", type=int, help="draft length override")
     ap.add_argument("--cold", action="store_true",
-                    help="every prompt starts from a fresh drafter state (the first answer of a new process) instead "
-                         "of what the earlier prompts taught (a long-running assistant)")
+                    help="every prompt starts from a fresh drafter state — Token Recycling's tables and the acceptance "
+                         "statistics, as in a new process (the verify-latency measurements carry over) — instead of "
+                         "what the earlier prompts taught (a long-running assistant)")
     ap.add_argument("--out", default="bench-out/edge-bench.json", help="JSON output (default bench-out/edge-bench.json)")
     ap.add_argument("--quiet", action="store_true")
     return ap

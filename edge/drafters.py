@@ -117,7 +117,7 @@ class LookupDrafter:
 
     def _match_class(self, pos: int, n: int) -> int:
         """The label's match length: n below max_ngram; at max_ngram the match is followed further back and
-        classed 4 / 8 / 16 / 32 (at least that many tokens match). A span that has matched 30 tokens — a
+        classed by the largest of n, 4, 8, 16, 32 that it reaches. A span that has matched 30 tokens — a
         second turn rewriting the first answer, a summary quoting its source — is continued far more often than
         one found by a 4-gram, so it earns its own acceptance rate and longer drafts."""
         if n < self.max_ngram:
@@ -125,7 +125,7 @@ class LookupDrafter:
         h, end, m = self.history, len(self.history), n
         while m < LONG_MATCH[-1] and pos - 1 - m >= 0 and h[pos - 1 - m] == h[end - 1 - m]:
             m += 1
-        return max(b for b in LONG_MATCH if b <= m) if m >= LONG_MATCH[0] else n
+        return max([n] + [b for b in LONG_MATCH if b <= m])  # never below the n-gram that matched
 
     def accept(self, tokens) -> None:
         self._extend(tokens)

@@ -139,7 +139,7 @@ def token_labels(d: Draft, kind: str, others: Sequence[Draft] = ()) -> tuple[str
     """Acceptance labels of a free draft's tokens: what found each (`Draft.labels`, else its source, else the
     drafter), "@1" for the first token and "@2+" for the others, plus, when the step has other candidate chains,
     whether one of them drafted the same tokens up to and including this one ("/agree"), none had even the first
-    token ("/split"), or they agreed at first and parted before this token ("/parted")."""
+    token ("/split"), or they agreed at first and parted — or the other chain ended — before this token ("/parted")."""
     base = d.labels if d.labels is not None else (d.source or kind,) * len(d)
     if not others:
         return tuple(f"{b}@{'1' if j == 0 else '2+'}" for j, b in enumerate(base))

@@ -234,7 +234,8 @@ class AcceptanceStats:
 # Measured priors per kind of drafted token: the share accepted (given every token before it was) over one
 # `edge-bench --modes none,hybrid --reps 2` run of all 180 prompts of ../shared/workloads/public.jsonl (SmolLM2-135M,
 # w8a8; labels tested >= 100 times, capped at 0.98). A fresh process starts from these instead of a flat 0.3, so its
-# first answer already trusts a span that has matched 16 tokens and distrusts a lone 1-gram.
+# first answer already trusts a span that has matched 16 tokens and distrusts a lone 1-gram. Other models start from
+# the same table and move away from it within a few dozen steps (moving average, `prior_weight`).
 MEASURED_TOKEN_PRIORS = {
     "lookup:16@1": 0.95, "lookup:16@1/agree": 0.95, "lookup:16@2+": 0.96, "lookup:16@2+/agree": 0.97,
     "lookup:16@2+/parted": 0.95, "lookup:16@2+/split": 0.95, "lookup:1@1": 0.26, "lookup:1@1/agree": 0.41,
@@ -256,10 +257,10 @@ MEASURED_TOKEN_PRIORS = {
 
 class TokenAcceptance:
     """Acceptance of free drafts (lookup spans, recycling chains) per *kind of token*, not per depth: each drafted
-    token carries a label (what found it: "lookup:3" = a 3-gram match, "recycling:b" = successor of the last two
-    tokens, "recycling:u" = of the last one; whether it is the first token of the draft; whether the step's
-    candidates agreed on their first token), and each label keeps the rate at which such a token was accepted once
-    every token before it was.
+    token carries a label (what found it: "lookup:3" = a 3-gram match, "lookup:16" = a match reaching 16+ tokens,
+    "recycling:b" = successor of the last two tokens, "recycling:u" = of the last one; whether it is the first token
+    of the draft; whether another candidate chain drafted the same tokens up to it: /agree, /parted, /split), and
+    each label keeps the rate at which such a token was accepted once every token before it was.
 
     Why not per depth: after the first token a chain's tokens are accepted at much the same rate at any depth, so
     one shared "deeper" estimate learns from every step instead of a sliver of them (offline, over the plain greedy

@@ -123,6 +123,16 @@ def test_lookup_labels_long_matches_by_how_far_they_match(run, label):
     assert got.source == label and got.tokens.tolist() == text[run : run + 3]
 
 
+@pytest.mark.parametrize("max_ngram,run,label", [(3, 3, "lookup:3"), (3, 20, "lookup:16"), (6, 6, "lookup:6"),
+                                                 (6, 7, "lookup:6"), (6, 9, "lookup:8"), (6, 40, "lookup:32")])
+def test_lookup_long_match_class_never_below_the_ngram(max_ngram, run, label):
+    rng = np.random.default_rng(run)
+    text = rng.permutation(1000)[:run + 10].tolist()
+    d = LookupDrafter(max_ngram=max_ngram)
+    d.begin([5000] + text + [6000] + text[:run])
+    assert d.draft(3).source == label
+
+
 def test_recycling_pair_table_keys_on_the_token_before():
     """Chains follow the successor of the last two tokens where that pair was verified, else of the last token; the
     labels say which table each token came from. Chain rows pair with the row before, tree rows with their parent,

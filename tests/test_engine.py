@@ -255,10 +255,10 @@ def test_adaptive_free_drafts_equal_plain(chains_engine, drafter):
         assert got.token_ids == ref.token_ids, (p, drafter)
         drafted += got.stats.drafted
     assert drafted > 0
-    sources = {k.split("@")[0] for k in e.token_acceptance.count}  # what found the tokens that were verified
+    sources = {k.split("@")[0] for k in e.token_acceptance.count}  # what found the tokens that were scored
     recycled, looked_up = {"recycling:b", "recycling:u"}, {f"lookup:{n}" for n in (1, 2, 3, 4, 8, 16, 32)}
     assert sources & (recycled if drafter == "recycling" else looked_up), e.token_acceptance
-    if drafter == "hybrid":  # the candidate not verified learns too (scored against the target's tokens)
+    if drafter == "hybrid":  # both kinds were priced and scored (test_candidates_not_verified_… checks the scoring)
         assert sources & recycled and sources & looked_up, e.token_acceptance
 
 
@@ -323,7 +323,7 @@ def test_candidates_not_verified_are_scored_against_the_target(tiny_dir):
     rec = Draft.chain(range(50, 58), source="recycling", labels=["recycling:u"] * 8)
     assert e._draft_free(_Chains(span4, rec), "hybrid", 12).source == "lookup:4"
     before = dict(acc.count)
-    e._learn_unverified([50, 51, 99])  # the target wrote 50, 51, then not 52: recycling would have earned two
+    e._learn_unverified([50, 51, 99])  # synthetic: the target wrote 50, 51, then not 52 — recycling earned two
     assert acc.count["recycling:u@1/split"] == before.get("recycling:u@1/split", 0) + 1
     assert acc.count["recycling:u@2+/split"] == before.get("recycling:u@2+/split", 0) + 2
     assert acc.rate["recycling:u@1/split"] > 0.1 and all(acc.count.get(k) == v for k, v in before.items()

@@ -157,8 +157,9 @@ def test_token_acceptance_label_priors_and_lifetime_summary():
     """A label's own prior wins over its family's; the summary keeps the lifetime rate the moving average forgets."""
     from memory.acceptance import TokenAcceptance
 
-    t = TokenAcceptance({"lookup": 0.3, "lookup:32@2+/agree": 0.9}, beta=0.5, prior_weight=1.0)
-    assert t.probs(["lookup:32@2+/agree", "lookup:32@1/agree"]).tolist() == [0.9, 0.3]
+    t = TokenAcceptance({"lookup": 0.3, "lookup:32@2+/agree": 0.9, "lookup:32@2+": 0.8}, beta=0.5, prior_weight=1.0)
+    got = t.probs(["lookup:32@2+/agree", "lookup:32@2+/split", "lookup:32@1/agree"]).tolist()
+    assert got == [0.9, 0.8, 0.3]  # own prior, then the label without its agreement suffix, then the family's
     for accepted in (1, 1, 1, 0):
         t.update(["x@1"], accepted)
     s = t.summary()["x@1"]
