@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.sampling import process_logits, sample_from
-from memory.footprint import RECYCLING_PAIR_SLOTS
+from memory.footprint import RECYCLING_PAIR_SLOTS, recycling_pair_key_bytes
 
 
 @dataclass
@@ -258,6 +258,8 @@ class RecyclingDrafter:
 
     name = "recycling"
     PAIR_SLOTS = RECYCLING_PAIR_SLOTS  # the footprint model counts the same bytes
+    _HASH_MUL = 0x9E3779B97F4A7C15  # Fibonacci hashing: 2^64 / golden ratio
+    _HASH_SHIFT = 64 - (PAIR_SLOTS.bit_length() - 1)  # keep the top log2(PAIR_SLOTS) bits
 
     def __init__(self, vocab: int, k: int = 8, nodes: int = 8, chains_only: bool = False):
         self.k = k
@@ -271,7 +273,7 @@ class RecyclingDrafter:
         self.root: int | None = None
         self.prev: int | None = None  # the token before the root
         self.vocab = vocab
-        key_t = np.uint32 if vocab * vocab < np.iinfo(np.uint32).max else np.uint64  # max = empty slot
+        key_t = np.uint32 if recycling_pair_key_bytes(vocab) == 4 else np.uint64  # max = empty slot
         self.pair_key = np.full(self.PAIR_SLOTS, np.iinfo(key_t).max, key_t)
         self.pair_next = np.zeros(self.PAIR_SLOTS, self.adj.dtype)
 
@@ -281,14 +283,14 @@ class RecyclingDrafter:
 
     def _slots(self, keys: np.ndarray) -> np.ndarray:
         """Fibonacci hashing of pair keys onto PAIR_SLOTS (uint64 products wrap, as intended)."""
-        shift = np.uint64(64 - (self.PAIR_SLOTS.bit_length() - 1))
-        return ((np.asarray(keys, np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> shift).astype(np.int64)
+        hashed = np.asarray(keys, np.uint64) * np.uint64(self._HASH_MUL)
+        return (hashed >> np.uint64(self._HASH_SHIFT)).astype(np.int64)
 
     def pair_successor(self, prev: int, tok: int) -> int | None:
         """The target's top candidate after (prev, tok) the last time that pair was verified, if still cached."""
         key = prev * self.vocab + tok
-        slot = ((key * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> (64 - (self.PAIR_SLOTS.bit_length() - 1))
-        return int(self.pair_next[slot]) if int(self.pair_key[slot]) == key else None  # same as `_slots`, per key
+        slot = ((key * self._HASH_MUL) & 0xFFFFFFFFFFFFFFFF) >> self._HASH_SHIFT  # `_slots` for one key, no numpy
+        return int(self.pair_next[slot]) if int(self.pair_key[slot]) == key else None
 
     def rank_prior(self) -> np.ndarray:
         return self.prior_counts / (self.prior_counts.sum() + self.misses)

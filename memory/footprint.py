@@ -41,6 +41,12 @@ FLOAT_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int4": 4, "w8a8": 4}
 LOOKUP_BYTES_PER_TOKEN = 8 + 4 * 120
 RECYCLING_K = 8
 RECYCLING_PAIR_SLOTS = 1 << 17  # Token Recycling's hashed two-token successor table (edge.drafters)
+
+
+def recycling_pair_key_bytes(vocab: int) -> int:
+    """Bytes per key of that table: a pair (prev, tok) is keyed prev * vocab + tok, and the key type's maximum
+    marks an empty slot, so uint32 while vocab² stays below it, else uint64."""
+    return 4 if vocab * vocab < 2**32 - 1 else 8
 # edge.runner.GraphSession: calls of up to 256 rows with all logits kept; a prefill chunk of 512 keeps one row
 MAX_CALL = 256
 PREFILL_CHUNK = 512
@@ -415,6 +421,5 @@ def predict_peak(manifest, plan, context: int, calib: Calibration | None = None,
     if spec.drafter in ("recycling", "hybrid"):
         elem = 2 if a["vocab"] < 65536 else 4  # + the drafter's `seen` mask, one bool per token
         parts.append(("recycling.matrix", a["vocab"] * spec.recycling_k * elem + a["vocab"]))
-        key = 4 if a["vocab"] ** 2 < 2 ** 32 - 1 else 8
-        parts.append(("recycling.pairs", RECYCLING_PAIR_SLOTS * (key + elem)))
+        parts.append(("recycling.pairs", RECYCLING_PAIR_SLOTS * (recycling_pair_key_bytes(a["vocab"]) + elem)))
     return Footprint(context, tuple(parts))
