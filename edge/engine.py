@@ -141,8 +141,6 @@ def token_labels(d: Draft, kind: str, others: Sequence[Draft] = ()) -> tuple[str
     whether one of them drafted the same tokens up to and including this one ("/agree"), none had even the first
     token ("/split"), or they agreed at first and parted — or the other chain ended — before this token ("/parted")."""
     base = d.labels if d.labels is not None else (d.source or kind,) * len(d)
-    if not others:
-        return tuple(f"{b}@{'1' if j == 0 else '2+'}" for j, b in enumerate(base))
     toks = d.tokens.tolist()
     common = 0  # longest prefix any other candidate shares with this one
     for o in others:
@@ -150,8 +148,11 @@ def token_labels(d: Draft, kind: str, others: Sequence[Draft] = ()) -> tuple[str
         while n < min(len(ot), len(toks)) and ot[n] == toks[n]:
             n += 1
         common = max(common, n)
-    return tuple(f"{b}@{'1' if j == 0 else '2+'}{'/agree' if j < common else '/parted' if common else '/split'}"
-                 for j, b in enumerate(base))
+
+    def agreement(j: int) -> str:
+        return "" if not others else "/agree" if j < common else "/parted" if common else "/split"
+
+    return tuple(f"{b}@{'1' if j == 0 else '2+'}{agreement(j)}" for j, b in enumerate(base))
 
 
 class Engine:
@@ -501,9 +502,9 @@ class Engine:
                 width = max(len(d) + 1, self.target.min_call)
                 self._call_ms[width] = 1000 * dt if width not in self._call_ms else \
                     0.8 * self._call_ms[width] + 200 * dt
-                if free and len(d):
-                    self.token_acceptance.update(d.labels, len(committed) - 1)
-                if free:
+                if free:  # the verified chain's tokens, then the candidates it beat, scored against the target
+                    if len(d):
+                        self.token_acceptance.update(d.labels, len(committed) - 1)
                     self._learn_unverified(committed[1:] + [nxt])
                 if d_chain and len(d):
                     self._stats(kind).update(len(d), len(committed) - 1)  # per drafter: what the planner reads
