@@ -122,9 +122,12 @@ def test_bench_cold_prompts_draft_as_if_first(model, tmp_path):
     doc = json.loads(out.read_text())
     learned = doc["token_acceptance"]
     assert learned and all(0 <= v["lifetime"] <= 1 and v["n"] > 0 for v in learned.values()), learned
-    # every accepted draft token is a hit; spans priced too low to verify are scored against the target too
+    # every accepted draft token is a hit; spans priced too low to verify are scored against the target too, so
+    # there are hits even when the adaptive length (priced by this machine's measured call times) verified few
+    # (25 runs of this command here: 1 to 18 accepted, 18 to 29 hits)
     hits = sum(round(v["lifetime"] * v["n"]) for v in learned.values())
-    assert hits >= sum(x["accepted"] for x in doc["runs"] if x["mode"] == "lookup") > 0
+    accepted = [(x["id"], x["drafted"], x["accepted"]) for x in doc["runs"] if x["mode"] == "lookup"]
+    assert hits >= sum(a for _, _, a in accepted) and hits > 0, (hits, accepted, learned)
 
 
 def test_drafter_state_round_trip(model):

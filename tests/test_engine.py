@@ -194,18 +194,35 @@ def test_eos_is_a_token_not_text(engine):
 def test_adaptive_length_keeps_probing_a_drafter_it_switched_off(tiny_dir):
     """A drafter whose acceptance estimate fell so low that the adaptive length stops drafting must still be tried
     now and then; otherwise the estimate never changes again and the drafter stays off for the engine's life
-    (seen in edge-bench: lookup, switched off on open-ended prompts, never drafted on the summaries after them)."""
+    (seen in edge-bench: lookup, switched off on open-ended prompts, never drafted on the summaries after them).
+    The estimate is held at zero for the run (so no measured timing can turn full-length drafting back on): every
+    drafted token must then come from a probe, and every probe must reach the statistics."""
     from memory.acceptance import AcceptanceStats
+
+    from edge.engine import PROBE_EVERY, PROBE_K
+
+    class Frozen(AcceptanceStats):
+        def __init__(self):
+            super().__init__(0.0)
+            self.seen = []
+
+        def update(self, drafted, accepted, *a, **kw):
+            self.seen.append((drafted, accepted))
 
     e = edge.load(tiny_dir, drafter="none", context=512)
     ref = e.generate(PROMPTS[0], max_tokens=60, drafter="none")
-    e.acceptance["model"] = AcceptanceStats(0.0)  # as if every draft so far had been rejected (a chain drafter)
+    e.acceptance["model"] = frozen = Frozen()  # as if every draft so far had been rejected (a chain drafter)
     assert e._choose_k("model", 6) == 0
     r = e.generate(PROMPTS[0], max_tokens=60, drafter="model")
     assert r.token_ids == ref.token_ids
     assert r.stats.drafted > 0
-    assert r.stats.steps > r.stats.drafted // 2  # probes, not full-length drafting
-    assert e.acceptance["model"].table()[0, 0] > 0 or r.stats.accepted == 0  # accepted probes move the estimate
+    probes = [n for n, _ in frozen.seen]
+    assert probes and all(0 < n <= PROBE_K for n in probes), probes  # probes, not full-length drafting
+    assert sum(probes) == r.stats.drafted and len(probes) <= r.stats.steps // PROBE_EVERY + 1, (probes, r.stats)
+    live = AcceptanceStats(0.0)  # what the probes would have taught a live estimate
+    for n, a in frozen.seen:
+        live.update(n, a)
+    assert live.table()[0, 0] > 0 or sum(a for _, a in frozen.seen) == 0  # accepted probes move the estimate
 
 
 def test_unmeasured_call_widths_follow_the_exports_latency_curve(tiny_dir):
