@@ -254,19 +254,12 @@ class RecyclingDrafter:
     last *two* tokens, a hashed cache of PAIR_SLOTS pairs (key and one id each: 0.75 MB here; a newer pair
     overwrites an older one in its slot). Where a pair is known it is right more often than the one-token row
     (offline over the public prompt set's greedy answers: 44% vs 25% for summarization's first draft tokens), and
-    each token's label says which table it came from, so the engine prices them apart.
-
-    Both tables also keep how sure the target was when it chose that successor: the gap between its top two
-    logits, in four buckets (CONF_EDGES), one byte per entry. The label carries it ("recycling:b.3"): offline,
-    over the plain greedy answers of the public prompt set, a two-token successor chosen with a gap under 1 was
-    right 45-54% of the time in summarization and qa, one chosen with a gap of 4 or more 90-94%."""
+    each token's label says which table it came from, so the engine prices them apart."""
 
     name = "recycling"
     PAIR_SLOTS = RECYCLING_PAIR_SLOTS  # the footprint model counts the same bytes
     _HASH_MUL = 0x9E3779B97F4A7C15  # Fibonacci hashing: 2^64 / golden ratio
     _HASH_SHIFT = 64 - (PAIR_SLOTS.bit_length() - 1)  # keep the top log2(PAIR_SLOTS) bits
-    CONF_EDGES = np.array([1.0, 2.0, 4.0], np.float32)  # logit gap top-1 minus top-2 → bucket 0..3
-    NO_CONF = 255  # the graph returned no logits with its top ids (the label then carries no bucket)
 
     def __init__(self, vocab: int, k: int = 8, nodes: int = 8, chains_only: bool = False):
         self.k = k
@@ -283,37 +276,21 @@ class RecyclingDrafter:
         key_t = np.uint32 if recycling_pair_key_bytes(vocab) == 4 else np.uint64  # max = empty slot
         self.pair_key = np.full(self.PAIR_SLOTS, np.iinfo(key_t).max, key_t)
         self.pair_next = np.zeros(self.PAIR_SLOTS, self.adj.dtype)
-        self.adj_conf = np.full(vocab, self.NO_CONF, np.uint8)  # how sure the target was of adj[t, 0]
-        self.pair_conf = np.full(self.PAIR_SLOTS, self.NO_CONF, np.uint8)  # ... of pair_next
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.adj, self.seen, self.pair_key, self.pair_next, self.adj_conf,
-                                      self.pair_conf))
+        return self.adj.nbytes + self.seen.nbytes + self.pair_key.nbytes + self.pair_next.nbytes
 
     def _slots(self, keys: np.ndarray) -> np.ndarray:
         """Fibonacci hashing of pair keys onto PAIR_SLOTS (uint64 products wrap, as intended)."""
         hashed = np.asarray(keys, np.uint64) * np.uint64(self._HASH_MUL)
         return (hashed >> np.uint64(self._HASH_SHIFT)).astype(np.int64)
 
-    def _pair_slot(self, prev: int, tok: int) -> int | None:
-        """The slot holding (prev, tok), if that pair is still cached (`_slots` for one key, without numpy)."""
-        key = prev * self.vocab + tok
-        slot = ((key * self._HASH_MUL) & 0xFFFFFFFFFFFFFFFF) >> self._HASH_SHIFT
-        return slot if int(self.pair_key[slot]) == key else None
-
     def pair_successor(self, prev: int, tok: int) -> int | None:
         """The target's top candidate after (prev, tok) the last time that pair was verified, if still cached."""
-        slot = self._pair_slot(prev, tok)
-        return None if slot is None else int(self.pair_next[slot])
-
-    @classmethod
-    def confidence(cls, top_logits, rows: int) -> np.ndarray:
-        """[rows] bucket (0..3) of each row's gap between its top two logits; NO_CONF without logits."""
-        if top_logits is None or np.shape(top_logits)[-1] < 2:
-            return np.full(rows, cls.NO_CONF, np.uint8)
-        v = np.asarray(top_logits, np.float32)
-        return np.searchsorted(cls.CONF_EDGES, v[:, 0] - v[:, 1], side="right").astype(np.uint8)
+        key = prev * self.vocab + tok
+        slot = ((key * self._HASH_MUL) & 0xFFFFFFFFFFFFFFFF) >> self._HASH_SHIFT  # `_slots` for one key, no numpy
+        return int(self.pair_next[slot]) if int(self.pair_key[slot]) == key else None
 
     def rank_prior(self) -> np.ndarray:
         return self.prior_counts / (self.prior_counts.sum() + self.misses)
@@ -329,16 +306,13 @@ class RecyclingDrafter:
         self.root = int(context[-1])
         self.prev = int(context[-2]) if len(context) >= 2 else None
 
-    def observe(self, tokens, top_ids, parents=None, before: int | None = None, top_logits=None) -> None:
-        """tokens [S] of a verify call (tokens[0] = the root), top_ids [S, >=k] the target's candidates after each
-        (top_logits [S, >=2]: their logits, if the graph returned them); parents [S] (parents[0] = -1) when the
-        call was a tree, None for a chain; `before`: the committed token before the root (default: the one this
-        drafter tracked, which is only current while it is drafting)."""
+    def observe(self, tokens, top_ids, parents=None, before: int | None = None) -> None:
+        """tokens [S] of a verify call (tokens[0] = the root), top_ids [S, >=k] the target's candidates after each;
+        parents [S] (parents[0] = -1) when the call was a tree, None for a chain; `before`: the committed token
+        before the root (default: the one this drafter tracked, which is only current while it is drafting)."""
         t = np.asarray(tokens, np.int64)
         top = np.asarray(top_ids)
-        conf = self.confidence(top_logits, len(t))
         self.adj[t] = top[:, : self.k]
-        self.adj_conf[t] = conf
         self.seen[t] = True
         before = self.prev if before is None else before
         if before is None:
@@ -349,20 +323,19 @@ class RecyclingDrafter:
         slots = self._slots(keys)
         self.pair_key[slots] = keys
         self.pair_next[slots] = top[:, 0]
-        self.pair_conf[slots] = conf
 
     def _chain(self, budget: int) -> Draft:
         toks, labels = [], []
         prev, tok = self.prev, self.root
         while len(toks) < budget:
-            slot = self._pair_slot(prev, tok) if prev is not None else None
-            if slot is not None:
-                nxt, label, conf = int(self.pair_next[slot]), "recycling:b", int(self.pair_conf[slot])
+            nxt = self.pair_successor(prev, tok) if prev is not None else None
+            if nxt is not None:
+                labels.append("recycling:b")
             elif self.seen[tok]:
-                nxt, label, conf = int(self.adj[tok, 0]), "recycling:u", int(self.adj_conf[tok])
+                nxt = int(self.adj[tok, 0])
+                labels.append("recycling:u")
             else:
                 break
-            labels.append(label if conf == self.NO_CONF else f"{label}.{conf}")
             toks.append(nxt)
             prev, tok = tok, nxt
         return Draft.chain(toks, source="recycling", labels=labels)
@@ -413,8 +386,8 @@ class HybridDrafter:
         self.lookup.begin(context)
         self.recycling.begin(context)
 
-    def observe(self, tokens, top_ids, parents=None, before: int | None = None, top_logits=None) -> None:
-        self.recycling.observe(tokens, top_ids, parents, before, top_logits)
+    def observe(self, tokens, top_ids, parents=None, before: int | None = None) -> None:
+        self.recycling.observe(tokens, top_ids, parents, before)
 
     def chains(self, budget: int) -> list[Draft]:
         """Chains-only targets: the retrieved span and the recycling chain as alternatives; the engine verifies the

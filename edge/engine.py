@@ -403,8 +403,7 @@ class Engine:
             logits = self.target.forward(tokens, layout.position_ids(L), layout.attention_bias(L), logits=not greedy)
         top = self.target.top_ids
         if top is not None:
-            self.recycling.observe(tokens, top, None if layout is None else layout.parents, before,
-                                   self.target.top_logits)
+            self.recycling.observe(tokens, top, None if layout is None else layout.parents, before)
         argmax = (top[:, 0] if logits is None else logits.argmax(-1)) if greedy else None
         if layout is None:
             if greedy:

@@ -51,9 +51,7 @@ class GraphSession:
         outs = {o.name: o for o in self.sess.get_outputs()}
         self.topk = int(outs["top_ids"].shape[-1]) if "top_ids" in outs else 0  # on-graph TopK, if exported
         self._top = np.zeros((1, 1, max(1, self.topk)), np.int64)
-        self._top_val = np.zeros((1, 1, max(1, self.topk)), np.float32)
         self.top_ids = None  # [R, topk] of the last call, when the graph has the TopK output
-        self.top_logits = None  # [R, topk] their logits (Token Recycling keeps how sure the target was)
         self.min_call = 1
         self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.cache.layer(i, j))
                            for i in range(graph.layers) for j in range(2)]  # kept alive: bindings hold pointers
@@ -126,12 +124,9 @@ class GraphSession:
         if self.topk:
             if r > self._top.shape[1]:
                 self._top = np.zeros((1, r, self.topk), np.int64)
-            if r > self._top_val.shape[1]:
-                self._top_val = np.zeros((1, r, self.topk), np.float32)
-            top, val = self._top[:, :r], self._top_val[:, :r]
+            top = self._top[:, :r]
             b.bind_ortvalue_output("top_ids", self.ort.OrtValue.ortvalue_from_numpy(top))
-            b.bind_ortvalue_output("top_logits", self.ort.OrtValue.ortvalue_from_numpy(val))
-            self.top_ids, self.top_logits = top[0], val[0]
+            self.top_ids = top[0]
         self.sess.run_with_iobinding(b)
         return out[0] if want else None
 
@@ -168,7 +163,7 @@ class GraphSession:
         b2[0, 0, 1, t - 1] = 0
         out = self.forward(np.append(ids.reshape(-1), ids[0, 0]), pos, b2, keep=0, logits=logits)
         if self.top_ids is not None:
-            self.top_ids, self.top_logits = self.top_ids[:1], self.top_logits[:1]
+            self.top_ids = self.top_ids[:1]
         return None if out is None else out[:1]
 
     def prefill(self, tokens, chunk: int = 512) -> np.ndarray:
@@ -234,7 +229,7 @@ class OptimumSession:
         if max_len is not None and capacity > max_len:
             raise ValueError(f"context {capacity} exceeds what {path} was exported for ({max_len})")
         self.layers, self.vocab = layers, vocab
-        self.top_ids = self.top_logits = None  # [R, topk] of the last call, best first, and their logits
+        self.top_ids = None  # [R, topk] of the last call, best first
         self.inputs = {i.name for i in self.sess.get_inputs()}
         missing = {"input_ids", "past_key_values.0.key"} - self.inputs
         if missing:
@@ -264,7 +259,7 @@ class OptimumSession:
             if positions is not None:
                 positions = np.append(np.asarray(positions, np.int64).reshape(-1), 0)
             out = self.forward(np.append(ids.reshape(-1), ids[0, 0]), positions, None, 0, logits)
-            self.top_ids, self.top_logits = self.top_ids[:1], self.top_logits[:1]
+            self.top_ids = self.top_ids[:1]
             return out[:1]
         self.cache.check_room(s)
         L = self.cache.length
@@ -285,7 +280,6 @@ class OptimumSession:
         r = s if keep == 0 else min(keep, s)
         rows = out[0][0, s - r :]
         self.top_ids = top_k_ids(rows, min(self.topk, self.vocab))
-        self.top_logits = np.take_along_axis(rows, self.top_ids, axis=-1)
         return rows
 
     def prefill(self, tokens, chunk: int = 512) -> np.ndarray:

@@ -278,12 +278,9 @@ class TokenAcceptance:
         self.hits: dict[str, float] = {}  # accepted of `count` tested, over the whole life (the EMA forgets)
 
     def _prior(self, label: str) -> float:
-        """The label's own prior if there is one (`MEASURED_TOKEN_PRIORS`), else that of the label without the
-        target's confidence bucket ("recycling:b.3@1/agree" → "recycling:b@1/agree"), else of either without
-        the agreement suffix, else its family's ("lookup", "recycling"), else the default."""
-        head, at, tail = label.partition("@")
-        plain = head.split(".")[0] + at + tail
-        for key in (label, plain, label.split("/")[0], plain.split("/")[0], head.split(":")[0]):
+        """The label's own prior if there is one (`MEASURED_TOKEN_PRIORS`), else that of the label without its
+        agreement suffix, else its family's ("lookup", "recycling"), else the default."""
+        for key in (label, label.split("/")[0], label.split("@")[0].split(":")[0]):
             if key in self.priors:
                 return self.priors[key]
         return self.default

@@ -16,9 +16,8 @@ Components of `predict_peak` (each in bytes, named in `Footprint.parts`):
     verify.work       sampling only: p [S, V] float32 and the model drafter's q [K, V] float64
     lookup.state      prompt-lookup history + n-gram index (bytes per context token)
     recycling.matrix  Token Recycling's adjacency matrix [V, k] (uint16 when V < 65536, else int32) + a [V] bool mask
-                      + a [V] uint8 confidence bucket of each row's first successor
-    recycling.pairs   its two-token successor table: RECYCLING_PAIR_SLOTS keys (uint32 when V² fits, else uint64),
-                      ids (like the matrix's) and uint8 confidence buckets
+    recycling.pairs   its two-token successor table: RECYCLING_PAIR_SLOTS keys (uint32 when V² fits, else uint64)
+                      and ids (like the matrix's)
 
 where <g> is `target` or `drafter` (a model drafter only), S the rows of a call, R the logits rows it keeps,
 T = context + S the attention span.
@@ -420,7 +419,7 @@ def predict_peak(manifest, plan, context: int, calib: Calibration | None = None,
     if spec.drafter in ("lookup", "hybrid"):
         parts.append(("lookup.state", context * LOOKUP_BYTES_PER_TOKEN))
     if spec.drafter in ("recycling", "hybrid"):
-        elem = 2 if a["vocab"] < 65536 else 4  # + the drafter's `seen` mask and confidence, a byte each per token
-        parts.append(("recycling.matrix", a["vocab"] * spec.recycling_k * elem + 2 * a["vocab"]))
-        parts.append(("recycling.pairs", RECYCLING_PAIR_SLOTS * (recycling_pair_key_bytes(a["vocab"]) + elem + 1)))
+        elem = 2 if a["vocab"] < 65536 else 4  # + the drafter's `seen` mask, one bool per token
+        parts.append(("recycling.matrix", a["vocab"] * spec.recycling_k * elem + a["vocab"]))
+        parts.append(("recycling.pairs", RECYCLING_PAIR_SLOTS * (recycling_pair_key_bytes(a["vocab"]) + elem)))
     return Footprint(context, tuple(parts))

@@ -155,26 +155,6 @@ def test_recycling_pair_table_keys_on_the_token_before():
     assert (d.prev, d.root) == (70, 71)
 
 
-def test_recycling_labels_carry_how_sure_the_target_was():
-    """Each table entry keeps the bucket of the gap between the target's top two logits in the row it came from
-    (edges 1, 2, 4), and a chain token's label names it; a call without logits leaves the label as before."""
-    d = RecyclingDrafter(100, k=2, chains_only=True)
-    gaps = [0.5, 1.0, 3.0, 9.0]  # → buckets 0, 1, 2, 3 (an edge belongs to the bucket above it)
-    top_logits = np.array([[5.0, 5.0 - g] for g in gaps], np.float32)
-    d.observe([1, 2, 3, 4], np.array([[2, 50], [3, 51], [4, 52], [5, 53]]), before=9, top_logits=top_logits)
-    assert d.adj_conf[[1, 2, 3, 4]].tolist() == [0, 1, 2, 3]
-    d.begin([9, 1])
-    dr = d.draft(4)  # (9, 1) → 2 with gap 0.5; (1, 2) → 3, gap 1; (2, 3) → 4, gap 3; (3, 4) → 5, gap 9
-    assert dr.tokens.tolist() == [2, 3, 4, 5]
-    assert dr.labels == ("recycling:b.0", "recycling:b.1", "recycling:b.2", "recycling:b.3")
-    d.begin([7, 3])  # (7, 3) unknown: 3's own row, written with gap 3
-    assert d.draft(1).labels == ("recycling:u.2",)
-    d.observe([3], np.array([[6, 54]]), before=8)  # no logits: the bucket is unknown, the label plain
-    d.begin([7, 3])
-    assert d.draft(1).labels == ("recycling:u",) and d.adj_conf[3] == RecyclingDrafter.NO_CONF
-    assert RecyclingDrafter.confidence(np.array([[1.0, 1.0], [2.0, -3.0]]), 2).tolist() == [0, 3]
-
-
 def test_recycling_pair_table_is_bounded_and_evicts_without_lying():
     """A fixed number of slots (memory stays under 2 MB at this vocabulary with the [V, k] matrix); a newer pair
     that hashes to an occupied slot evicts the older one, which then reads as unknown, never as another's id."""

@@ -139,11 +139,6 @@ def test_token_acceptance_updates_the_tested_tokens_only():
 
     t = TokenAcceptance({"lookup": 0.3, "recycling": 0.4}, beta=0.1, prior_weight=4.0)
     assert t.probs(["lookup:2@1", "recycling:b@2+", "other@1"]).tolist() == [0.3, 0.4, 0.3]  # family priors
-    # a confidence bucket (".N") without a prior of its own: the label without it, then without agreement either
-    c = TokenAcceptance({"recycling:b@1/agree": 0.8, "recycling:b@1": 0.5, "recycling:b.3@1": 0.9,
-                         "recycling": 0.4})
-    assert c.probs(["recycling:b.3@1/agree", "recycling:b.0@1/agree", "recycling:b.0@1/split",
-                    "recycling:b.3@1/split", "recycling:u.1@2+"]).tolist() == [0.8, 0.8, 0.5, 0.9, 0.4]
     t.update(["a@1", "b@2+", "b@2+", "c@2+"], 2)
     # a: hit, weight max(0.1, 1/4) → 0.3 + 0.25·0.7; b: first a hit (0.475), then a miss with weight 1/5
     assert t.probs(["a@1"])[0] == pytest.approx(0.475)

@@ -200,20 +200,19 @@ def test_preallocated_capacity_sizes_only_the_kv_buffers():
 
 def test_recycling_matrix_dtype_follows_vocab():
     fp = predict_peak(M, Speculation("recycling", 16), 512)
-    assert fp["recycling.matrix"] == 49152 * 8 * 2 + 2 * 49152  # uint16 ids (V < 65536) + seen mask + confidence
+    assert fp["recycling.matrix"] == 49152 * 8 * 2 + 49152  # uint16 ids (V < 65536) + the seen mask
     big = copy.deepcopy(SMOLLM2)
     big["arch"]["vocab"] = 128256
     for g in big["graphs"]:
         g["vocab"], g["weight_bytes"] = 128256, 0
     fp = predict_peak(Manifest.from_dict(big), Speculation("recycling", 16, recycling_k=4), 512)
-    assert fp["recycling.matrix"] == 128256 * 4 * 4 + 2 * 128256  # int32 ids
-    assert fp["recycling.pairs"] == (1 << 17) * (8 + 4 + 1)  # 128256² does not fit uint32 keys
+    assert fp["recycling.matrix"] == 128256 * 4 * 4 + 128256  # int32 ids
+    assert fp["recycling.pairs"] == (1 << 17) * (8 + 4)  # 128256² does not fit uint32 keys
 
 
 @pytest.mark.parametrize("vocab,k", [(49152, 8), (128256, 4)])
 def test_recycling_bytes_are_the_drafters_own(vocab, k):
-    """The footprint model counts exactly the arrays RecyclingDrafter allocates (matrix, mask, pair table, their
-    confidence buckets)."""
+    """The footprint model counts exactly the arrays RecyclingDrafter allocates (matrix, mask, pair table)."""
     from edge.drafters import RecyclingDrafter
 
     big = copy.deepcopy(SMOLLM2)
@@ -226,7 +225,7 @@ def test_recycling_bytes_are_the_drafters_own(vocab, k):
 
 def test_hybrid_holds_both_model_free_states():
     fp = predict_peak(M, Speculation("hybrid", 8), 1000)
-    assert fp["lookup.state"] == 1000 * 488 and fp["recycling.matrix"] == 49152 * 18
+    assert fp["lookup.state"] == 1000 * 488 and fp["recycling.matrix"] == 49152 * 17
 
 
 def test_on_graph_topk_and_sampling_work_arrays():
