@@ -19,6 +19,8 @@ import json
 import sys
 import time
 
+from memory.footprint import recycling_bytes
+
 QUESTIONS = [
     "Name a river in Europe.", "What is 7 times 8?", "Give me a synonym for quick.", "Who wrote Hamlet?",
     "What colour is the sky on a clear day?", "Translate 'good morning' into French.", "Name a prime number.",
@@ -54,12 +56,12 @@ def drafter_state(engine) -> dict:
     """Sizes of the state that outlives a request, with the bounds each must stay within."""
     lk, rc = engine.lookup, engine.recycling
     return {
-        "recycling_bytes": rc.nbytes, "recycling_bound": rc.adj.nbytes + rc.seen.nbytes,  # fixed at construction
+        "recycling_bytes": rc.nbytes, "recycling_bytes_bound": sum(recycling_bytes(rc.vocab, rc.k)),  # fixed size
         "recycling_templates": len(rc._templates), "recycling_templates_bound": 65,  # one per budget 0..64
         "lookup_history": len(lk.history), "lookup_history_bound": lk.max_history,
         "lookup_index": len(lk.index),
         "lookup_index_bound": (lk.max_ngram - lk.min_ngram + 1) * len(lk.history),  # ≤ one entry per n per token
-        "cached_tokens": len(engine.cached), "cached_bound": engine.context,
+        "cached_tokens": len(engine.cached), "cached_tokens_bound": engine.context,
         "call_widths": len(engine._call_ms), "call_widths_bound": 66,  # widths 1..65
     }
 

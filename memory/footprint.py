@@ -43,6 +43,14 @@ RECYCLING_K = 8
 RECYCLING_PAIR_SLOTS = 1 << 17  # Token Recycling's hashed two-token successor table (edge.drafters)
 
 
+def recycling_bytes(vocab: int, k: int = RECYCLING_K) -> tuple[int, int]:
+    """Token Recycling's fixed-size state (edge.drafters.RecyclingDrafter): (the matrix [V, k] of ids — uint16
+    when V < 65536, else int32 — with its `seen` mask, one bool per token; the pair table: RECYCLING_PAIR_SLOTS
+    keys and ids)."""
+    elem = 2 if vocab < 65536 else 4
+    return vocab * k * elem + vocab, RECYCLING_PAIR_SLOTS * (recycling_pair_key_bytes(vocab) + elem)
+
+
 def recycling_pair_key_bytes(vocab: int) -> int:
     """Bytes per key of that table: a pair (prev, tok) is keyed prev * vocab + tok, and the key type's maximum
     marks an empty slot, so uint32 while vocab² stays below it, else uint64."""
@@ -419,7 +427,7 @@ def predict_peak(manifest, plan, context: int, calib: Calibration | None = None,
     if spec.drafter in ("lookup", "hybrid"):
         parts.append(("lookup.state", context * LOOKUP_BYTES_PER_TOKEN))
     if spec.drafter in ("recycling", "hybrid"):
-        elem = 2 if a["vocab"] < 65536 else 4  # + the drafter's `seen` mask, one bool per token
-        parts.append(("recycling.matrix", a["vocab"] * spec.recycling_k * elem + a["vocab"]))
-        parts.append(("recycling.pairs", RECYCLING_PAIR_SLOTS * (recycling_pair_key_bytes(a["vocab"]) + elem)))
+        matrix, pairs = recycling_bytes(a["vocab"], spec.recycling_k)
+        parts.append(("recycling.matrix", matrix))
+        parts.append(("recycling.pairs", pairs))
     return Footprint(context, tuple(parts))

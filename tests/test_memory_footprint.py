@@ -223,6 +223,23 @@ def test_recycling_bytes_are_the_drafters_own(vocab, k):
     assert fp["recycling.matrix"] + fp["recycling.pairs"] == RecyclingDrafter(vocab, k=k).nbytes
 
 
+def test_soak_checks_every_drafter_state_against_its_bound(tiny_dir):
+    """edge.soak's per-turn check: every size has a "<name>_bound" entry and is compared with it, Token Recycling's
+    bytes against the footprint model's fixed size (two bounds were once keyed "recycling_bound" and
+    "cached_bound", so those two checks never ran)."""
+    import numpy as np
+
+    import edge
+    from edge.soak import drafter_state, within_bounds
+
+    e = edge.load(tiny_dir, drafter="none", context=256)
+    state = drafter_state(e)
+    assert {k for k in state if not k.endswith("_bound") and k + "_bound" not in state} == set(), state
+    assert state["recycling_bytes"] == state["recycling_bytes_bound"] and within_bounds(state) == []
+    e.recycling.pair_next = np.zeros(2 * e.recycling.PAIR_SLOTS, e.recycling.pair_next.dtype)  # as if it had grown
+    assert within_bounds(drafter_state(e)) == ["recycling_bytes"]
+
+
 def test_hybrid_holds_both_model_free_states():
     fp = predict_peak(M, Speculation("hybrid", 8), 1000)
     assert fp["lookup.state"] == 1000 * 488 and fp["recycling.matrix"] == 49152 * 17

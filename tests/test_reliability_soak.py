@@ -29,4 +29,4 @@ def test_soak_60_turns_stays_within_the_planner_prediction_and_drafter_bounds(tm
     assert len({row["recycling_bytes"] for row in rep["series"]}) == 1  # Token Recycling's matrix is fixed-size
     for row in rep["series"]:
         assert row["lookup_history"] <= row["context_tokens"] + 1 + rep["max_tokens"]  # lookup follows the chat
-        assert row["cached_tokens"] <= row["cached_bound"]
+        assert row["cached_tokens"] <= row["cached_tokens_bound"]
