@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.sampling import process_logits, sample_from
-from memory.footprint import RECYCLING_PAIR_SLOTS, recycling_pair_key_bytes
+from memory.footprint import RECYCLING_PAIR_SLOTS, recycling_id_bytes, recycling_pair_key_bytes
 
 
 @dataclass
@@ -264,7 +264,7 @@ class RecyclingDrafter:
     def __init__(self, vocab: int, k: int = 8, nodes: int = 8, chains_only: bool = False):
         self.k = k
         self.chains_only = chains_only  # the target cannot verify trees exactly: draft the rank-0 path only
-        self.adj = np.zeros((vocab, k), np.uint16 if vocab < 65536 else np.int32)
+        self.adj = np.zeros((vocab, k), np.uint16 if recycling_id_bytes(vocab) == 2 else np.int32)
         self.seen = np.zeros(vocab, bool)
         self.prior_counts = np.array([8.0, 2.5, 1.2, 0.7, 0.5, 0.35, 0.25, 0.2][:k] + [0.1] * max(0, k - 8))
         self.misses = 8.0

@@ -44,17 +44,23 @@ RECYCLING_PAIR_SLOTS = 1 << 17  # Token Recycling's hashed two-token successor t
 
 
 def recycling_bytes(vocab: int, k: int = RECYCLING_K) -> tuple[int, int]:
-    """Token Recycling's fixed-size state (edge.drafters.RecyclingDrafter): (the matrix [V, k] of ids — uint16
-    when V < 65536, else int32 — with its `seen` mask, one bool per token; the pair table: RECYCLING_PAIR_SLOTS
-    keys and ids)."""
-    elem = 2 if vocab < 65536 else 4
+    """Token Recycling's fixed-size state (edge.drafters.RecyclingDrafter): (the matrix [V, k] of ids with its
+    `seen` mask, one bool per token; the pair table: RECYCLING_PAIR_SLOTS keys and ids)."""
+    elem = recycling_id_bytes(vocab)
     return vocab * k * elem + vocab, RECYCLING_PAIR_SLOTS * (recycling_pair_key_bytes(vocab) + elem)
+
+
+def recycling_id_bytes(vocab: int) -> int:
+    """Bytes per token id in Token Recycling's tables: uint16 while every id fits, else int32."""
+    return 2 if vocab < 65536 else 4
 
 
 def recycling_pair_key_bytes(vocab: int) -> int:
     """Bytes per key of that table: a pair (prev, tok) is keyed prev * vocab + tok, and the key type's maximum
     marks an empty slot, so uint32 while vocab² stays below it, else uint64."""
     return 4 if vocab * vocab < 2**32 - 1 else 8
+
+
 # edge.runner.GraphSession: calls of up to 256 rows with all logits kept; a prefill chunk of 512 keeps one row
 MAX_CALL = 256
 PREFILL_CHUNK = 512
