@@ -80,11 +80,6 @@ def _run_one(engine, it: dict, mode: str, a) -> list[dict]:
     return recs
 
 
-def _tested(acc) -> dict[str, tuple[float, float]]:
-    """Per label: (accepted, tested) drafted tokens so far."""
-    return {x: (acc.hits.get(x, 0.0), n) for x, n in acc.count.items()}
-
-
 def _add_learned(total: dict, before: dict, after: dict) -> None:
     """Add one run's share (after - before) of accepted/tested tokens per label to `total`."""
     for x, (h, n) in after.items():
@@ -196,12 +191,12 @@ def main(argv=None) -> int:
                 k = (i + rep) % len(modes)
                 for m in modes[k:] + modes[:k]:  # rotate: no mode always runs first
                     engine.set_drafter_state(before)
-                    tested = _tested(engine.token_acceptance)
+                    tested = engine.token_acceptance.tested()
                     for rec in _run_one(engine, it, m, a):
                         rec["rep"] = rep
                         runs.append(rec)
                     after = after or engine.drafter_state()
-                    _add_learned(learned, tested, _tested(engine.token_acceptance))
+                    _add_learned(learned, tested, engine.token_acceptance.tested())
                     if bar:
                         bar.update(1)
             engine.set_drafter_state(after)

@@ -302,10 +302,14 @@ class TokenAcceptance:
             self.count[x] = n + 1
             self.hits[x] = self.hits.get(x, 0.0) + float(j < accepted)
 
+    def tested(self) -> dict[str, tuple[float, float]]:
+        """Per label: (accepted, tested) drafted tokens over the whole life."""
+        return {x: (self.hits.get(x, 0.0), n) for x, n in self.count.items()}
+
     def summary(self) -> dict[str, dict[str, float]]:
         """Per label: the current (moving) rate, the lifetime rate and how many tokens were tested."""
-        return {x: {"rate": round(self.rate[x], 4), "lifetime": round(self.hits.get(x, 0.0) / n, 4), "n": int(n)}
-                for x, n in sorted(self.count.items())}
+        return {x: {"rate": round(self.rate[x], 4), "lifetime": round(h / n, 4), "n": int(n)}
+                for x, (h, n) in sorted(self.tested().items())}
 
     def __repr__(self) -> str:
         return "TokenAcceptance(" + ", ".join(f"{k}={v:.2f}" for k, v in sorted(self.rate.items())) + ")"
