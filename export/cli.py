@@ -142,7 +142,9 @@ def main(argv=None) -> int:
         print(json.dumps(s, indent=2))
     else:
         p = m.parity
-        if p:
+        if not p or p.get("max_abs_diff") is None:
+            print("parity vs fp32 reference: skipped (--no-parity)" if a.no_parity else "parity: not measured")
+        else:
             print(f"parity vs fp32 reference: max |Δlogit| {p.get('max_abs_diff')}, top-1 agreement "
                   f"{p.get('top1_agreement')} over {p.get('positions')} positions")
         for g in s["graphs"]:

@@ -146,11 +146,13 @@ def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, opts: Ex
                  progress: bool = True, checkpoint: Checkpoint | None = None, via: str = "builder") -> Manifest:
     """via: "builder" (our own graph, export/graph.py) or "optimum" (export/via_optimum.py: other architectures).
     Everything is written into `<out>.partial/` and swapped into place only when complete."""
-    out_dir = Path(out_dir)
+    out_dir = Path(os.path.abspath(out_dir))  # "." has no name to derive <out>.partial from
     part = out_dir.with_name(out_dir.name + ".partial")
+    check_output_dir(source, out_dir)
     if part.exists():
-        shutil.rmtree(part)  # an earlier interrupted export: start clean
+        shutil.rmtree(part)  # an earlier interrupted export (check_output_dir saw its marker): start clean
     part.mkdir(parents=True)
+    (part / PARTIAL_MARKER).touch()
     if via == "optimum":
         from .via_optimum import export_via_optimum
 
@@ -297,7 +299,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     steps.start("manifest")
     files = []
     for f in sorted(part.rglob("*")):
-        if f.is_file():
+        if f.is_file() and f.name != PARTIAL_MARKER:
             rel = f.relative_to(part).as_posix()
             files.append(FileEntry(rel, f.stat().st_size, sha256_file(f)))
     sizes = {f.path: f.bytes for f in files}
@@ -324,14 +326,44 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     return m
 
 
+PARTIAL_MARKER = ".edgespec-partial"  # in <out>.partial while an export is written
+OLD_MARKER = ".edgespec-old"  # in <out>.old, the replaced export, until it is deleted
+
+
+def _ours(d: Path, marker: str) -> bool:
+    return (d / marker).is_file() or not any(d.iterdir())
+
+
+def check_output_dir(source, out_dir: Path) -> None:
+    """An export replaces OUT as a whole (and uses <OUT>.partial / <OUT>.old beside it), so refuse before any work
+    if that would delete anything that is not an earlier export: a non-empty OUT without a manifest, the source
+    itself or a directory holding it, or sibling work directories without our marker."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"{out_dir} exists and is not a directory")
+    src = Path(os.path.abspath(source))
+    if src == out_dir or out_dir in src.parents:
+        raise ValueError(f"-o {out_dir} would replace the source {src}: export into a new directory")
+    if out_dir.is_dir() and not ((out_dir / MANIFEST_NAME).is_file() or _ours(out_dir, OLD_MARKER)):
+        raise ValueError(f"{out_dir} is not empty and holds no edgespec export ({MANIFEST_NAME}); an export replaces "
+                         "its output directory as a whole, so give a new or empty directory")
+    for d, marker in ((out_dir.with_name(out_dir.name + ".partial"), PARTIAL_MARKER),
+                      (out_dir.with_name(out_dir.name + ".old"), OLD_MARKER)):
+        if d.exists() and not (d.is_dir() and _ours(d, marker)):
+            raise ValueError(f"{d} exists and was not left by edge-export; move it away or choose another -o")
+
+
 def _swap_into_place(part: Path, out_dir: Path) -> None:
     old = out_dir.with_name(out_dir.name + ".old")
-    if old.exists():
+    if old.exists():  # left by a crash between the two renames below (check_output_dir saw its marker)
         shutil.rmtree(old)
     if out_dir.exists():
         # the old export stays loadable until the new one is complete; its manifest goes first so a crash
         # between the two renames cannot leave a half-old directory that loads
+        (out_dir / OLD_MARKER).touch()
         (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
         os.replace(out_dir, old)
     os.replace(part, out_dir)
+    # the marker (not in the manifest) stays until here, so a crash before this rename leaves a <out>.partial that
+    # the next run recognizes as its own and clears
+    (out_dir / PARTIAL_MARKER).unlink(missing_ok=True)
     shutil.rmtree(old, ignore_errors=True)

@@ -26,6 +26,7 @@ from edge.text import TextCodec
 from . import calibration
 from .checkpoint import CheckpointError
 from .evaluate import parity
+from .pipeline import PARTIAL_MARKER
 from .tokenizer import hf_tokenizer_files
 
 OPTIMUM_PRECISIONS = ("fp32", "int8", "int4")
@@ -225,7 +226,7 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
 
     steps.start("manifest")
     files = [FileEntry(f.relative_to(part).as_posix(), f.stat().st_size, sha256_file(f))
-             for f in sorted(part.rglob("*")) if f.is_file()]
+             for f in sorted(part.rglob("*")) if f.is_file() and f.name != PARTIAL_MARKER]
     sizes = {f.path: f.bytes for f in files}
     graph = GraphEntry(role="target", name="target", file=target_file, layers=arch["layers"], vocab=arch["vocab"],
                        precision=opts.precision, block_size=opts.block_size if opts.precision != "fp32" else 0,

@@ -173,6 +173,43 @@ def test_output_under_a_file(run_export_cli, tiny_llama_dir, tmp_path):
     expect_one_line_error(run_export_cli(tiny_llama_dir, "-o", f / "out"), "a-file")
 
 
+def test_output_that_is_not_an_export_is_never_replaced(run_export_cli, tiny_llama_dir, tmp_path):
+    """An export replaces its output directory as a whole: a directory holding anything but an earlier export, the
+    source itself, a directory holding the source, or a foreign <out>.partial / <out>.old beside it are refused
+    before any work, and nothing in them is touched."""
+    user = tmp_path / "notes"
+    user.mkdir()
+    (user / "important.txt").write_text("keep me")
+    expect_one_line_error(run_export_cli(tiny_llama_dir, "-o", user), "notes", "not empty", "no edgespec export")
+    assert (user / "important.txt").read_text() == "keep me"
+    src = copy_without(tiny_llama_dir, tmp_path / "ck")
+    before = sorted(p.name for p in src.iterdir())
+    expect_one_line_error(run_export_cli(src, "-o", src), "would replace the source")
+    expect_one_line_error(run_export_cli(src, "-o", tmp_path), "would replace the source")
+    assert sorted(p.name for p in src.iterdir()) == before
+    foreign = tmp_path / "fresh.partial"
+    foreign.mkdir()
+    (foreign / "mine.txt").write_text("x")
+    expect_one_line_error(run_export_cli(src, "-o", tmp_path / "fresh"), "fresh.partial", "not left by edge-export")
+    assert (foreign / "mine.txt").exists() and not (tmp_path / "fresh").exists()
+
+
+def test_reexport_replaces_an_earlier_export(tiny_llama_dir, tmp_path):
+    """An earlier export (or an empty directory) is a valid output; the new manifest lists no marker files."""
+    from edge.manifest import MANIFEST_NAME
+
+    out = tmp_path / "m"
+    out.mkdir()  # empty: fine
+    opts = tiny_export_options(drafters=(), parity=False)
+    export_model(tiny_llama_dir, out, opts, progress=False)
+    (out / "stale.bin").write_text("from an older export")
+    m = export_model(tiny_llama_dir, out, opts, progress=False)
+    names = {p.name for p in out.iterdir()}
+    assert MANIFEST_NAME in names and "stale.bin" not in names and not any(n.startswith(".edgespec") for n in names)
+    assert all(not f.path.startswith(".edgespec") for f in m.files)
+    assert not (tmp_path / "m.old").exists() and not (tmp_path / "m.partial").exists()
+
+
 def test_help_runs(run_export_cli):
     r = run_export_cli("--help")
     assert r.returncode == 0 and "edge-export" in r.stdout and "--drafter-vocab" in r.stdout
