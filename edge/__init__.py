@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .engine import Chat, Chunk, Engine, EngineBusy, EngineError, GenerationParams, GenerationResult, Stats
+from .engine import (Chat, Chunk, ContextFull, Engine, EngineBusy, EngineError, GenerationParams, GenerationResult,
+                     Stats)
 from .manifest import ModelDirError
 
 __all__ = ["load", "Engine", "Chat", "Chunk", "GenerationParams", "GenerationResult", "Stats", "EngineError",
-           "EngineBusy", "ModelDirError", "home", "default_model_dir"]
+           "EngineBusy", "ContextFull", "ModelDirError", "home", "default_model_dir"]
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 

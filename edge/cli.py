@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
-from .engine import DRAFTERS
+from .engine import DEFAULT_CONTEXT, DRAFTERS
 
 HELP = "commands: /reset (forget the conversation)  /stats (last answer's counters)  /help  /quit"
 
@@ -19,21 +20,45 @@ def peak_rss_mb() -> float:
     return peak_rss_bytes() / 2**20
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number")
+    return x
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The flags that become `edge.load` keywords (drafter, threads, context, device, budget, calibration,
     simulate), in their own help group; edge-chat and edge-serve both take them."""
     group = parser.add_argument_group("engine")
     group.add_argument("--drafter", choices=list(DRAFTERS), default="auto",
                        help="speculative drafter: lookup = prompt/history n-gram lookup, recycling = Token Recycling "
-                            "(the target's own top-k successors), hybrid = lookup span when there is one, else "
-                            "recycling, model = exported early-exit drafter, none = plain decoding (the lossless "
-                            "reference), auto = chosen from what the export measured (default)")
-    group.add_argument("--threads", type=int, default=2, help="CPU threads for ONNX Runtime (default 2)")
-    group.add_argument("--context", type=int, default=4096, help="context window in tokens (default 4096)")
+                            "(the target's own top-k successors), hybrid = each step the lookup span or the recycling "
+                            "chain, whichever is expected to gain more per millisecond, model = exported early-exit "
+                            "drafter, none = plain decoding (the lossless reference), auto = chosen from what the "
+                            "export measured (default)")
+    group.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
+    group.add_argument("--context", type=positive_int,
+                       help="context window in tokens (default 4096, or the export's maximum if that is smaller)")
     group.add_argument("--device", help="device profile for the memory planner: host, laptop-cpu-16gb, "
                                         "nvidia-laptop-gpu-8gb, apple-m3-16gb, snapdragon-x-npu, intel-core-ultra-npu, "
                                         "android-phone-8gb, or a profile JSON path")
-    group.add_argument("--budget-mb", type=float,
+    group.add_argument("--budget-mb", type=positive_float,
                        help="memory budget in MB; the planner picks drafter and draft length that fit and shrinks "
                             "them as the chat grows")
     group.add_argument("--calibration", metavar="JSON",
@@ -133,6 +158,9 @@ def _repl(engine, a) -> int:
         if cmd == "/stats":
             print(json.dumps(_stats_info(engine, last), indent=2), file=sys.stderr)
             continue
+        if re.fullmatch(r"/[A-Za-z]+", cmd):  # a mistyped command is not sent to the model as a question
+            print(f"unknown command {cmd}; {HELP}", file=sys.stderr)
+            continue
         stream = chat.send(line, **_params(a), drafter=a.drafter)
         try:
             for ch in stream:
@@ -143,11 +171,16 @@ def _repl(engine, a) -> int:
             stream.close()  # the chat keeps what was shown; the KV cache is rolled back to it
             print("\n(stopped)", file=sys.stderr)
         except Exception as e:  # keep the session alive on a bad request
-            from . import EngineError
+            from . import ContextFull, EngineError
 
+            if isinstance(e, ContextFull) and chat.overflow != "drop_oldest":
+                print(f"error: the conversation is {e.n} tokens but the context holds {e.context}: /reset to start "
+                      "over, or restart edge-chat with --overflow drop_oldest (or a larger --context)", file=sys.stderr)
+                continue
             if not isinstance(e, EngineError):
                 raise
             print(f"error: {e}", file=sys.stderr)
+            continue  # nothing was generated: no stats line for this turn
         last = engine.last_stats
         print(_stats_line(last), file=sys.stderr)
 
@@ -165,7 +198,7 @@ def _print_plan(a) -> int:
     except Exception as e:  # ProfileError / ProviderUnavailable / CalibrationError: say what to do
         print(f"edge-chat: error: {e}", file=sys.stderr)
         return 2
-    rep = plan_report(load_manifest(d, verify="none"), profile, a.context, a.budget_mb)
+    rep = plan_report(load_manifest(d, verify="none"), profile, a.context or DEFAULT_CONTEXT, a.budget_mb)
     if a.json:
         print(json.dumps(rep))
     else:

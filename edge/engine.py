@@ -8,6 +8,7 @@ request (or chat turn) re-uses the longest common prefix and prefills only what 
 from __future__ import annotations
 
 import copy
+import numbers
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,11 +25,12 @@ from memory.acceptance import MEASURED_TOKEN_PRIORS, AcceptanceStats, TokenAccep
 from memory.planner import DEFAULT_PRIORS, LatencyCurve, best_chain_length, best_prefix, export_verify_shape
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
-from .manifest import ModelDirError, check_drafter, load_manifest
+from .manifest import VERIFY_LEVELS, ModelDirError, check_drafter, load_manifest
 from .runner import GraphSession, open_session
 from .text import StreamDecoder, TextCodec
 
 DRAFTERS = ("auto", "hybrid", "recycling", "model", "lookup", "none")
+DEFAULT_CONTEXT = 4096  # tokens, when neither the caller nor a smaller export says otherwise
 # a drafter the adaptive length switched off is still tried with PROBE_K tokens every PROBE_EVERY steps, so its
 # acceptance estimate can recover when the text changes (a 3-row call costs ~1.15x a padded 1-token call here)
 PROBE_EVERY, PROBE_K = 8, 2
@@ -36,6 +38,14 @@ PROBE_EVERY, PROBE_K = 8, 2
 
 class EngineError(Exception):
     """Bad request or unusable state; the message says what to change."""
+
+
+class ContextFull(EngineError):
+    """A chat turn refused because the history does not fit the context (`n` tokens, `context` slots)."""
+
+    def __init__(self, message: str, n: int, context: int):
+        super().__init__(message)
+        self.n, self.context = n, context
 
 
 class EngineBusy(EngineError):
@@ -54,6 +64,14 @@ class GenerationParams:
     draft_len: int | None = None  # None: the drafter's default
 
     def check(self, context_room: int) -> None:
+        for name in ("temperature", "top_p"):  # numbers (numpy's too), not strings or None
+            v = getattr(self, name)
+            if not isinstance(v, numbers.Real) or isinstance(v, bool):
+                raise EngineError(f"{name} must be a number (got {v!r})")
+        for name in ("top_k", "draft_len"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool)):
+                raise EngineError(f"{name} must be an integer (got {v!r})")
         # max_tokens beyond the context is allowed: the answer ends with finish_reason "length" when the window is full
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise EngineError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
@@ -161,6 +179,11 @@ class Engine:
                  budget_mb: float | None = None):
         if drafter not in DRAFTERS:
             raise EngineError(f"drafter {drafter!r}: choose one of {', '.join(DRAFTERS)}")
+        for name, v in (("threads", threads), ("context", context)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise EngineError(f"{name} must be a whole number >= 1 (got {v!r})")
+        if verify not in VERIFY_LEVELS:
+            raise EngineError(f"verify={verify!r}: choose one of {', '.join(VERIFY_LEVELS)}")
         self.model_dir = Path(model_dir)
         self.manifest = m = load_manifest(self.model_dir, verify=verify)
         for g in m.drafters:  # a foreign or damaged drafter fails here, not on its first request
@@ -175,9 +198,13 @@ class Engine:
         self.eos = set(self.codec.eos)
         self.threads, self.providers = threads, providers
         t = m.target
-        self.context = min(context or 4096, t.max_len)
+        if context is not None and context > t.max_len:
+            raise EngineError(f"context {context} is more than the {t.max_len} tokens {t.file} was exported for; ask "
+                              f"for at most {t.max_len}, or re-export with a larger --max-len")
+        self.context = min(context or DEFAULT_CONTEXT, t.max_len)
         self.target = open_session(str(self.model_dir / t.file), m, t, self.context, threads, providers)
         self.cached: list[int] = []
+        self.last_stats: Stats | None = None  # the counters of the latest request, once one has run
         self.lookup = LookupDrafter()
         # fed by every target call; persists across turns. Trees only where the graph verifies them exactly.
         self.recycling = RecyclingDrafter(m.arch["vocab"], chains_only=not self.target.tree_exact)
@@ -348,12 +375,16 @@ class Engine:
             if raw:
                 return self.codec.encode(prompt_or_messages)
             msgs = [{"role": "user", "content": prompt_or_messages}]
-        else:
+        elif isinstance(prompt_or_messages, (list, tuple)):
             msgs = list(prompt_or_messages)
+            if not msgs:
+                raise EngineError("no messages: give a prompt string or a non-empty list of {'role', 'content'} dicts")
             for m in msgs:
                 if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") \
                         or not isinstance(m.get("content"), str):
                     raise EngineError(f"bad message {m!r}: expected {{'role': system|user|assistant, 'content': str}}")
+        else:
+            raise EngineError(f"prompt must be a string or a list of messages (got {type(prompt_or_messages).__name__})")
         return self.codec.encode_chat(msgs)
 
     # ------------------------------------------------------------------ the loop
@@ -567,6 +598,8 @@ class Engine:
 def _normalize(kw: dict) -> dict:
     if "stop" in kw and kw["stop"] is not None:
         s = kw["stop"]
+        if not isinstance(s, (str, list, tuple)):
+            raise EngineError(f"stop must be a string or a list of strings (got {s!r})")
         kw["stop"] = (s,) if isinstance(s, str) else tuple(s)
     elif "stop" in kw:
         kw["stop"] = ()
@@ -622,22 +655,25 @@ class Chat:
         kept, dropped = list(self.messages), self.dropped
         try:
             self.messages.append({"role": "user", "content": text})
-            answer = []
+            answer, started = [], False
             try:
                 if self.overflow == "drop_oldest":
                     self._fit(GenerationParams(**_normalize(dict(kw))).max_tokens)
                 n, ctx = len(self.engine.encode(self.messages)), self.engine.context
                 if n >= ctx:
-                    raise EngineError(
+                    raise ContextFull(
                         f"chat history is {n} tokens but the context holds {ctx}: "
                         + ("even the system message and this question alone do not fit; shorten them"
                            if self.overflow == "drop_oldest" else
-                           "start a new chat (reset), or use Chat(overflow='drop_oldest') to drop the oldest turns"))
+                           "start a new chat (reset), or use Chat(overflow='drop_oldest') to drop the oldest turns"),
+                        n, ctx)
                 for ch in self.engine.stream(self.messages, **kw):
                     answer.append(ch.text)
+                    started = True
                     yield ch
-            except (EngineError, ModelDirError):  # refused before anything was generated: history as it was
-                self.messages[:], self.dropped = kept, dropped
+            except Exception:  # (an interrupt keeps the turn with what was shown, even nothing)
+                if not started:  # refused (or failed) before anything was shown: the history stays as it was
+                    self.messages[:], self.dropped = kept, dropped
                 raise
             finally:
                 if self.messages and self.messages[-1]["role"] == "user":

@@ -139,13 +139,27 @@ def reexport_command(model_dir: str | os.PathLike, source: str | None = None) ->
     return f"edge-export {source or 'CHECKPOINT'} -o {model_dir}"
 
 
+VERIFY_LEVELS = ("none", "size", "fast", "sha256")
+
+
+def _looks_like_checkpoint(d: Path) -> bool:
+    """A Hugging Face checkpoint (config.json with safetensors weights) or a directory of GGUF files."""
+    return any(d.glob("*.gguf")) or ((d / "config.json").is_file() and any(d.glob("*.safetensors")))
+
+
 def load_manifest(model_dir: str | os.PathLike, verify: str = "size") -> Manifest:
     """Read and check `edge_model.json`. verify: "none" | "size" (every file present with its size) | "fast" (size,
     plus sha256 of every file up to 16 MB: graph protos, tokenizer, id maps) | "sha256" (every file)."""
+    if verify not in VERIFY_LEVELS:
+        raise ValueError(f"verify={verify!r}: choose one of {', '.join(VERIFY_LEVELS)}")
     model_dir = Path(model_dir)
     path = model_dir / MANIFEST_NAME
     if not model_dir.is_dir():
         raise ModelDirError(f"{model_dir}: no such model directory (export one with: edge-export CHECKPOINT -o {model_dir})")
+    if not path.is_file() and _looks_like_checkpoint(model_dir):
+        # never suggest exporting into the source: an export replaces its output directory as a whole
+        raise ModelDirError(f"{model_dir} holds a model checkpoint, not an edgespec export; export it first into a new "
+                            f"directory: edge-export {model_dir} -o {model_dir.with_name(model_dir.name + '-edgespec')}")
     if not path.is_file():
         raise ModelDirError(f"{path}: missing — {model_dir} is not a complete edgespec export "
                             f"(an interrupted export never writes it); re-run edge-export into it: "

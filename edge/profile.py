@@ -350,6 +350,7 @@ def main(argv=None) -> int:
 
     from memory.footprint import DEFAULT_CALIBRATIONS
 
+    from .manifest import load_manifest
     from .planning import default_calibration_path, load_calibration, profile_for
 
     t_start = time.time()
@@ -357,8 +358,9 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        engine = edge.Engine(model_dir, drafter="none", threads=a.threads,
-                             context=max(a.latency_context + max(_ints(a.sizes)) + 8, ENGINE_CONTEXT))
+        want = max(a.latency_context + max(_ints(a.sizes)) + 8, ENGINE_CONTEXT)
+        cap = load_manifest(model_dir, verify="none").target.max_len  # a smaller export: as much as it holds
+        engine = edge.Engine(model_dir, drafter="none", threads=a.threads, context=min(want, cap))
     except (EngineError, ModelDirError, ValueError) as e:
         print(f"edge-profile: error: {e}", file=sys.stderr)
         return 2

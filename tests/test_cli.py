@@ -35,6 +35,37 @@ def test_chat_repl_commands(model):
     assert r.stderr.count("tok/s decode") == 2  # one stats line per answer
 
 
+def test_chat_repl_survives_refusals_and_unknown_commands(model):
+    """A first question that does not fit the context is refused with what to do in the REPL (no traceback, no
+    stats line for it), a mistyped /command is not sent to the model, and the session goes on."""
+    long_q = "tell me a long story about rivers and mountains " * 12
+    r = _run(["edge.cli", "--model", model, "--max-tokens", "4", "--context", "40"],
+             stdin=f"{long_q}\n/qiut\nhi\n/quit\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "/reset to start over" in r.stderr and "--overflow drop_oldest" in r.stderr
+    assert "Chat(overflow" not in r.stderr  # the Python API's advice is not the CLI user's
+    assert "unknown command /qiut" in r.stderr
+    assert r.stderr.count("tok/s decode") == 1  # only the answered turn has a stats line
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--context", "-5"], "--context"), (["--context", "0"], "--context"), (["--threads", "0"], "--threads"),
+    (["--budget-mb", "-5", "--plan"], "--budget-mb"), (["--context", "100000"], "exported for"),
+])
+def test_chat_bad_engine_flags(model, flags, needle):
+    r = _run(["edge.cli", "--model", model, "--prompt", "hi", "--max-tokens", "2", *flags])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert needle in r.stderr, r.stderr
+
+
+def test_chat_on_a_checkpoint_dir_says_export_it_elsewhere(tiny_llama_dir):
+    """Pointing --model at a checkpoint suggests exporting it into a new directory, never into itself (an export
+    replaces its output directory)."""
+    r = _run(["edge.cli", "--model", str(tiny_llama_dir), "--prompt", "hi"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "holds a model checkpoint" in r.stderr and f"-o {tiny_llama_dir}-edgespec" in r.stderr
+
+
 def test_chat_bad_model_dir_is_one_clear_line(tmp_path):
     r = _run(["edge.cli", "--model", str(tmp_path / "nope"), "--prompt", "hi"])
     assert r.returncode == 2 and "Traceback" not in r.stderr

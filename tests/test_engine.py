@@ -17,7 +17,7 @@ from edge.engine import Engine
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
-    return edge.load(tiny_dir, drafter="none", context=512)
+    return edge.load(tiny_dir, drafter="none", context=256)
 
 
 PROMPTS = ["the quick brown fox", "def add(a, b):", "Summarize: the council met", "café 😀 日本"]
@@ -76,7 +76,7 @@ def test_kv_rollback_round_trip(engine):
 
 
 def test_chat_reuses_prefix_and_interrupt_keeps_consistency(tiny_dir):
-    e = edge.load(tiny_dir, drafter="lookup", context=512)
+    e = edge.load(tiny_dir, drafter="lookup", context=256)
     chat = e.chat()
     chat.ask("the quick brown fox", max_tokens=12)
     r2 = chat.ask("def add(a, b):", max_tokens=12)
@@ -89,7 +89,7 @@ def test_chat_reuses_prefix_and_interrupt_keeps_consistency(tiny_dir):
     assert e.target.cache.length == len(e.cached)
     # the next turn equals a fresh chat fed the same visible history
     nxt = chat.ask("café", max_tokens=20)
-    fresh = edge.load(tiny_dir, drafter="none", context=512)
+    fresh = edge.load(tiny_dir, drafter="none", context=256)
     ref = fresh.generate(chat.messages[:-1], max_tokens=20)
     assert nxt.token_ids == ref.token_ids
 
@@ -162,14 +162,14 @@ def test_sampling_is_reproducible_and_lossless_in_distribution(engine):
 
 
 def test_memory_plan_drives_the_drafter_and_refuses_too_small_budgets(tiny_dir):
-    e = edge.load(tiny_dir, drafter="auto", context=512, budget_mb=4096)
+    e = edge.load(tiny_dir, drafter="auto", context=256, budget_mb=4096)
     assert e.plan is not None and e.plan.peak_mb <= 4096
     r = e.generate(PROMPTS[0], max_tokens=20)
     assert r.stats.drafter == e.plan.drafter
-    ref = edge.load(tiny_dir, drafter="none", context=512).generate(PROMPTS[0], max_tokens=20)
+    ref = edge.load(tiny_dir, drafter="none", context=256).generate(PROMPTS[0], max_tokens=20)
     assert r.token_ids == ref.token_ids
     with pytest.raises(EngineError, match="MB"):
-        edge.load(tiny_dir, context=512, budget_mb=1)
+        edge.load(tiny_dir, context=256, budget_mb=1)
 
 
 def test_model_drafter_without_drafter_graph_is_a_clear_error(tmp_path, tiny_llama_dir):
@@ -210,7 +210,7 @@ def test_adaptive_length_keeps_probing_a_drafter_it_switched_off(tiny_dir):
         def update(self, drafted, accepted, *a, **kw):
             self.seen.append((drafted, accepted))
 
-    e = edge.load(tiny_dir, drafter="none", context=512)
+    e = edge.load(tiny_dir, drafter="none", context=256)
     ref = e.generate(PROMPTS[0], max_tokens=60, drafter="none")
     e.acceptance["model"] = frozen = Frozen()  # as if every draft so far had been rejected (a chain drafter)
     e._verify_ms = lambda s: 10.0 + s
@@ -235,7 +235,7 @@ def test_unmeasured_call_widths_follow_the_exports_latency_curve(tiny_dir):
 
     from memory.planner import DEFAULT_VERIFY_SHAPE, LatencyCurve
 
-    e = edge.load(tiny_dir, drafter="none", context=512)
+    e = edge.load(tiny_dir, drafter="none", context=256)
     e._call_ms = {1: 10.0}
     t = e.manifest.target
     flat = replace(t, stats={**t.stats, "latency_ms_by_s": [5.0, 5.5, 5.0, 6.0, 6.5, 7.0, 7.5, 8.0]})
@@ -254,7 +254,7 @@ def test_unmeasured_call_widths_follow_the_exports_latency_curve(tiny_dir):
 def chains_engine(tiny_dir):
     """The tiny (fp32) export driven as if its graph verified chains only, as every int8-activation graph does:
     recycling and hybrid then take the per-source free-draft path."""
-    e = edge.load(tiny_dir, drafter="none", context=512)
+    e = edge.load(tiny_dir, drafter="none", context=256)
     e.target.tree_exact = False
     e.recycling.chains_only = True
     e.recycling._templates.clear()
@@ -300,7 +300,7 @@ def test_free_drafts_are_cut_by_their_tokens_acceptance(tiny_dir):
     from edge.drafters import Draft
     from edge.engine import token_labels
 
-    e = edge.load(tiny_dir, drafter="none", context=512)
+    e = edge.load(tiny_dir, drafter="none", context=256)
     e._call_ms = {s: 10.0 + 0.5 * s for s in range(1, 40)}  # a flat verify curve
     acc = e.token_acceptance
     acc.rate.update({"lookup:4@1": 0.95, "lookup:4@2+": 0.95, "lookup:1@1": 0.02, "lookup:1@2+": 0.9,
@@ -335,7 +335,7 @@ def test_candidates_not_verified_are_scored_against_the_target(tiny_dir):
     (accepted + bonus) as far as they reach, so a kind of token that is never chosen still learns its rate."""
     from edge.drafters import Draft
 
-    e = edge.load(tiny_dir, drafter="none", context=512)
+    e = edge.load(tiny_dir, drafter="none", context=256)
     e._call_ms = {s: 10.0 + 0.5 * s for s in range(1, 40)}
     acc = e.token_acceptance
     acc.rate.update({"lookup:4@1/split": 0.95, "lookup:4@2+/split": 0.95,

@@ -226,6 +226,8 @@ def test_stop_string_straddling_an_accepted_draft(engine, tiny_dir):
     (dict(max_tokens=2.0), "max_tokens"), (dict(max_tokens=True), "max_tokens"), (dict(max_tokens=None), "max_tokens"),
     (dict(seed=-1), "seed"), (dict(seed="7"), "seed"), (dict(seed=1.5), "seed"), (dict(stop=[""]), "stop"),
     (dict(stop=["ok", None]), "stop"), (dict(draft_len=65), "draft_len"), (dict(draft_len=-1), "draft_len"),
+    (dict(temperature=None), "temperature"), (dict(temperature="0.5"), "temperature"), (dict(top_p=None), "top_p"),
+    (dict(draft_len="3"), "draft_len"), (dict(stop=5), "stop"), (dict(top_k=None), "top_k"),
 ])
 def test_absurd_values_are_refused_and_leave_the_engine_usable(engine, kw, match):
     ref = engine.generate("hello", max_tokens=6)
@@ -244,3 +246,30 @@ def test_extreme_but_valid_values(engine):
     assert len(hot.token_ids) == 8 or hot.finish_reason == "stop"
     assert engine.generate("hello", max_tokens=8, top_p=1e-12, temperature=1.0, seed=3).token_ids == greedy.token_ids
     consistent(engine)
+
+
+@pytest.mark.parametrize("prompt,match", [(None, "string or a list"), (5, "string or a list"), (b"hi", "got bytes"),
+                                          ([], "no messages"), ([{"role": "user"}], "bad message")])
+def test_prompt_of_the_wrong_kind_is_refused(engine, prompt, match):
+    with pytest.raises(EngineError, match=match):
+        engine.generate(prompt, max_tokens=4)
+    consistent(engine)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=None), dict(stop=5), dict(max_tokens=0)])
+def test_refused_chat_turn_leaves_the_history_as_it_was(engine, kw):
+    chat = engine.chat()
+    chat.ask("hello", max_tokens=4)
+    before = [dict(m) for m in chat.messages]
+    with pytest.raises(EngineError):
+        chat.ask("and then?", **{"max_tokens": 4, **kw})
+    assert chat.messages == before
+    consistent(engine)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(threads=0), "threads"), (dict(threads="2"), "threads"),
+                                      (dict(context=0), "context"), (dict(context=-5), "context"),
+                                      (dict(context=10**6), "exported for"), (dict(verify="bogus"), "verify")])
+def test_bad_load_arguments_are_refused(tiny_dir, kw, match):
+    with pytest.raises(EngineError, match=match):
+        edge.load(tiny_dir, drafter="none", **kw)
