@@ -227,7 +227,12 @@ class Engine:
         self.profile, self.budget_mb, self.plan = profile, budget_mb, None
         self._auto = drafter == "auto"
         if profile is not None or budget_mb is not None:
-            self.plan = self._replan(self.context // 2, None)
+            try:
+                self.plan = self._replan(self.context // 2, None)
+            except EngineError as e:  # say which context the numbers are for: --plan defaults to the full one
+                raise EngineError(f"{e} (planned at load for half the {self.context}-token context, re-planned as a "
+                                  f"chat grows; `edge-chat --plan --context {self.context}` shows the need at the "
+                                  "full context)") from e.__cause__
 
     def _replan(self, context: int, previous):
         from memory.planner import BudgetError, PlanError
@@ -245,6 +250,7 @@ class Engine:
         if self._auto:
             self.default_drafter = pl.drafter
         return pl
+
     def _verify_ms(self, s: int) -> float:
         """Measured mean call time at width s, else the export's measured curve (or the default one) scaled to the
         narrowest call measured here."""

@@ -168,8 +168,10 @@ def test_memory_plan_drives_the_drafter_and_refuses_too_small_budgets(tiny_dir):
     assert r.stats.drafter == e.plan.drafter
     ref = edge.load(tiny_dir, drafter="none", context=256).generate(PROMPTS[0], max_tokens=20)
     assert r.token_ids == ref.token_ids
-    with pytest.raises(EngineError, match="MB"):
+    with pytest.raises(EngineError, match="MB") as e:
         edge.load(tiny_dir, context=256, budget_mb=1)
+    assert "context 128 needs" in str(e.value) and "--plan --context 256" in str(e.value)  # which context, and how
+    # to see the whole one
 
 
 def test_model_drafter_without_drafter_graph_is_a_clear_error(tmp_path, tiny_llama_dir):
