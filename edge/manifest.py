@@ -140,6 +140,8 @@ def reexport_command(model_dir: str | os.PathLike, source: str | None = None) ->
 
 
 VERIFY_LEVELS = ("none", "size", "fast", "sha256")
+PARTIAL_MARKER = ".edgespec-partial"  # in <out>.partial while edge-export writes an export
+OLD_MARKER = ".edgespec-old"  # in <out>.old, a replaced export, until edge-export deletes it
 
 
 def _looks_like_checkpoint(d: Path) -> bool:
@@ -158,12 +160,17 @@ def load_manifest(model_dir: str | os.PathLike, verify: str = "size") -> Manifes
         raise ModelDirError(f"{model_dir}: no such model directory (export one with: edge-export CHECKPOINT -o {model_dir})")
     if not path.is_file() and _looks_like_checkpoint(model_dir):
         # never suggest exporting into the source: an export replaces its output directory as a whole
+        d = Path(os.path.abspath(model_dir))  # "." has no name to derive a sibling from
         raise ModelDirError(f"{model_dir} holds a model checkpoint, not an edgespec export; export it first into a new "
-                            f"directory: edge-export {model_dir} -o {model_dir.with_name(model_dir.name + '-edgespec')}")
+                            f"directory: edge-export {model_dir} -o {d.with_name(d.name + '-edgespec')}")
     if not path.is_file():
+        # edge-export accepts an empty directory or the remains of its own swap; anything else is refused there
+        ours = not any(p.name != OLD_MARKER for p in model_dir.iterdir())
         raise ModelDirError(f"{path}: missing — {model_dir} is not a complete edgespec export "
-                            f"(an interrupted export never writes it); re-run edge-export into it: "
-                            f"{reexport_command(model_dir)}")
+                            + (f"(an interrupted export never writes it); re-run edge-export into it: "
+                               f"{reexport_command(model_dir)}" if ours else
+                               "and holds other files; export into a new directory (edge-export CHECKPOINT -o NEW_DIR), "
+                               "or, if it is a damaged export, delete it and export into it again"))
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as e:

@@ -109,6 +109,10 @@ def main(argv=None) -> int:
     if a.drafter_layers is None:  # the builder's early-exit drafter; the optimum path builds none
         a.drafter_layers = [] if a.via == "optimum" else [DEFAULT_DRAFTER[0]]
     drafters = tuple((l, v) for l in (a.drafter_layers or []) for v in (a.drafter_vocab or [0]))
+    if a.default and (a.source or a.out):
+        _parser().error("--default builds the embedded model into the cache directory; drop SOURCE / -o (or --default)")
+    if a.force and not a.default:
+        _parser().error("--force is for --default (an export with SOURCE -o OUT always rebuilds)")
     if a.default and a.via == "optimum":
         _parser().error("--default is built by edgespec's own graph builder; --via optimum is for other checkpoints")
     if a.precision is None:  # optimum's graphs go through ORT's MatMulNBits quantizer: no w8a8 there

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.manifest import FORMAT_VERSION, MANIFEST_NAME, FileEntry, GraphEntry, Manifest, sha256_file
+from edge.manifest import (FORMAT_VERSION, MANIFEST_NAME, OLD_MARKER, PARTIAL_MARKER, FileEntry, GraphEntry, Manifest,
+                           sha256_file)
 from edge.text import TextCodec
 
 from . import calibration, distill, reference
@@ -150,7 +151,7 @@ def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, opts: Ex
     part = out_dir.with_name(out_dir.name + ".partial")
     check_output_dir(source, out_dir)
     if part.exists():
-        shutil.rmtree(part)  # an earlier interrupted export (check_output_dir saw its marker): start clean
+        _remove_ours(part, PARTIAL_MARKER)  # an earlier interrupted export (check_output_dir saw its marker)
     part.mkdir(parents=True)
     (part / PARTIAL_MARKER).touch()
     if via == "optimum":
@@ -166,7 +167,7 @@ def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, opts: Ex
         m = build()
     except BaseException:
         steps.close(failed=True)
-        shutil.rmtree(part, ignore_errors=True)
+        _remove_ours(part, PARTIAL_MARKER, ignore_errors=True)
         raise
     steps.close()
     _swap_into_place(part, out_dir)
@@ -326,12 +327,28 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     return m
 
 
-PARTIAL_MARKER = ".edgespec-partial"  # in <out>.partial while an export is written
-OLD_MARKER = ".edgespec-old"  # in <out>.old, the replaced export, until it is deleted
-
-
 def _ours(d: Path, marker: str) -> bool:
     return (d / marker).is_file() or not any(d.iterdir())
+
+
+def _remove_ours(d: Path, marker: str, ignore_errors: bool = False) -> None:
+    """Delete a work directory of ours with its marker last, so a cleanup cut short (a second Ctrl-C, a kill)
+    leaves a directory the next run still recognizes and clears."""
+    if not d.exists():
+        return
+    try:
+        for entry in d.iterdir():
+            if entry.name == marker:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        (d / marker).unlink(missing_ok=True)
+        d.rmdir()
+    except OSError:
+        if not ignore_errors:
+            raise
 
 
 def check_output_dir(source, out_dir: Path) -> None:
@@ -349,13 +366,14 @@ def check_output_dir(source, out_dir: Path) -> None:
     for d, marker in ((out_dir.with_name(out_dir.name + ".partial"), PARTIAL_MARKER),
                       (out_dir.with_name(out_dir.name + ".old"), OLD_MARKER)):
         if d.exists() and not (d.is_dir() and _ours(d, marker)):
-            raise ValueError(f"{d} exists and was not left by edge-export; move it away or choose another -o")
+            raise ValueError(f"{d} exists without edgespec's marker (someone else's files, or left by an older "
+                             "edgespec): delete it if it is an old export, or choose another -o")
 
 
 def _swap_into_place(part: Path, out_dir: Path) -> None:
     old = out_dir.with_name(out_dir.name + ".old")
     if old.exists():  # left by a crash between the two renames below (check_output_dir saw its marker)
-        shutil.rmtree(old)
+        _remove_ours(old, OLD_MARKER)
     if out_dir.exists():
         # the old export stays loadable until the new one is complete; its manifest goes first so a crash
         # between the two renames cannot leave a half-old directory that loads
@@ -366,4 +384,4 @@ def _swap_into_place(part: Path, out_dir: Path) -> None:
     # the marker (not in the manifest) stays until here, so a crash before this rename leaves a <out>.partial that
     # the next run recognizes as its own and clears
     (out_dir / PARTIAL_MARKER).unlink(missing_ok=True)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove_ours(old, OLD_MARKER, ignore_errors=True)

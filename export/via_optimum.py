@@ -20,13 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.manifest import FORMAT_VERSION, FileEntry, GraphEntry, Manifest, sha256_file
+from edge.manifest import FORMAT_VERSION, PARTIAL_MARKER, FileEntry, GraphEntry, Manifest, sha256_file
 from edge.text import TextCodec
 
 from . import calibration
 from .checkpoint import CheckpointError
 from .evaluate import parity
-from .pipeline import PARTIAL_MARKER
 from .tokenizer import hf_tokenizer_files
 
 OPTIMUM_PRECISIONS = ("fp32", "int8", "int4")
@@ -127,6 +126,10 @@ def _quantize(src: Path, dst: Path, bits: int, block_size: int, accuracy_level: 
         raise CheckpointError(f"--via optimum --precision int4/int8 needs {e.name}: pip install "
                               "'edgespec[optimum]'") from e
 
+    import logging
+
+    # the quantizer logs one INFO line per MatMul (hundreds) through a root handler it installs on import
+    logging.getLogger(MatMulNBitsQuantizer.__module__).setLevel(logging.WARNING)
     model = onnx.load(str(src))
     _gemm_to_matmul(model)
     q = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=False,

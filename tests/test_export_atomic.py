@@ -94,6 +94,30 @@ def test_crash_between_the_swap_renames(exported_llama, tmp_path, monkeypatch, t
     assert siblings(out) == ["m"]
 
 
+def test_cleanup_cut_short_still_restarts_cleanly(tiny_llama_dir, tmp_path, monkeypatch):
+    """A second interrupt while the failed export deletes its .partial directory (the user presses Ctrl-C again):
+    the marker goes last, so what is left is still recognized as ours and the next run clears it."""
+    out = tmp_path / "m"
+    interrupt(monkeypatch, "rank_vocabulary", KeyboardInterrupt())  # the export fails after the target graph
+    real, calls = os.unlink, []
+
+    def unlink(*a, **k):
+        calls.append(a)
+        if len(calls) == 2:  # ... and its cleanup is interrupted after deleting one file
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(KeyboardInterrupt):
+        export_model(tiny_llama_dir, out, tiny_export_options(), progress=False)
+    monkeypatch.undo()
+    part = tmp_path / "m.partial"
+    assert len(calls) == 2 and (part / pipeline.PARTIAL_MARKER).is_file() and len(list(part.iterdir())) > 1
+    export_model(tiny_llama_dir, out, tiny_export_options(), progress=False)
+    load_manifest(out, verify="sha256")
+    assert siblings(out) == ["m"]
+
+
 def test_full_vocab_drafter(tmp_path, tiny_llama_dir, tiny_llama):
     """vocab 0 = full: an identity id map and a graph without trimming."""
     from export import reference

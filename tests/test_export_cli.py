@@ -190,8 +190,11 @@ def test_output_that_is_not_an_export_is_never_replaced(run_export_cli, tiny_lla
     foreign = tmp_path / "fresh.partial"
     foreign.mkdir()
     (foreign / "mine.txt").write_text("x")
-    expect_one_line_error(run_export_cli(src, "-o", tmp_path / "fresh"), "fresh.partial", "not left by edge-export")
+    expect_one_line_error(run_export_cli(src, "-o", tmp_path / "fresh"), "fresh.partial", "without edgespec's marker")
     assert (foreign / "mine.txt").exists() and not (tmp_path / "fresh").exists()
+    shutil.move(foreign, tmp_path / "fresh.old")
+    expect_one_line_error(run_export_cli(src, "-o", tmp_path / "fresh"), "fresh.old", "without edgespec's marker")
+    assert (tmp_path / "fresh.old" / "mine.txt").exists() and not (tmp_path / "fresh").exists()
 
 
 def test_reexport_replaces_an_earlier_export(tiny_llama_dir, tmp_path):
@@ -208,6 +211,15 @@ def test_reexport_replaces_an_earlier_export(tiny_llama_dir, tmp_path):
     assert MANIFEST_NAME in names and "stale.bin" not in names and not any(n.startswith(".edgespec") for n in names)
     assert all(not f.path.startswith(".edgespec") for f in m.files)
     assert not (tmp_path / "m.old").exists() and not (tmp_path / "m.partial").exists()
+
+
+def test_default_does_not_take_a_source_and_force_needs_default(run_export_cli, tiny_llama_dir, tmp_path):
+    for args, needle in (([tiny_llama_dir, "--default"], "--default"),
+                         (["--default", "-o", tmp_path / "x"], "--default"),
+                         ([tiny_llama_dir, "-o", tmp_path / "x", "--force"], "--force")):
+        r = run_export_cli(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
+    assert not (tmp_path / "x").exists()
 
 
 def test_help_runs(run_export_cli):

@@ -113,10 +113,16 @@ def test_format_version_mismatch(model_copy, version, fix):
         load_manifest(model_copy, verify="none")
 
 
-def test_missing_manifest_names_reexport(model_copy):
+def test_missing_manifest_names_reexport(model_copy, tmp_path):
+    """No manifest: an empty directory (or one an interrupted swap left) can be exported into again; one holding
+    other files would be refused by edge-export, so the advice is a new directory."""
     (model_copy / MANIFEST_NAME).unlink()
-    with pytest.raises(ModelDirError, match=r"edge_model\.json: missing.*re-run edge-export"):
+    with pytest.raises(ModelDirError, match=r"edge_model\.json: missing.*new directory.*damaged export"):
         load_manifest(model_copy)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelDirError, match=r"edge_model\.json: missing.*re-run edge-export into it"):
+        load_manifest(empty)
 
 
 def test_missing_directory(tmp_path):
