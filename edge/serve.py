@@ -146,6 +146,22 @@ def _extensions(body: dict) -> dict:
     return out
 
 
+async def _read_body(request) -> bytes:
+    """The request body, refused with 413 as soon as it is known to pass MAX_BODY (from Content-Length, or while
+    reading): a client cannot make the server hold an arbitrarily large body in memory."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY:
+        raise ApiError(413, f"request body is {int(declared)} bytes; the limit is {MAX_BODY}", None,
+                       "request_too_large")
+    parts, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > MAX_BODY:
+            raise ApiError(413, f"request body is over the limit of {MAX_BODY} bytes", None, "request_too_large")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 def parse_chat_request(raw: bytes, default_max_tokens: int) -> ChatRequest:
     """Validate a chat-completions body → ChatRequest; ApiError(400) names the offending parameter.
     Unknown top-level fields (user, logit_bias, ...) are ignored, as OpenAI-compatible servers commonly do."""
@@ -156,7 +172,10 @@ def parse_chat_request(raw: bytes, default_max_tokens: int) -> ChatRequest:
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
     messages = _messages(body)
-    if body.get("n") not in (None, 1):
+    if body.get("model") is not None and not isinstance(body["model"], str):  # any name is served (one model)
+        raise ApiError(400, f"model must be a string (got {body['model']!r})", "model", "invalid_value")
+    n = body.get("n")
+    if isinstance(n, bool) or n not in (None, 1):
         raise ApiError(400, "n: only one choice per request is supported", "n", "invalid_value")
     max_tokens = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
@@ -382,10 +401,7 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
         return JSONResponse(e.body(), e.status, headers=headers)
 
     async def chat_completions(request):
-        body = await request.body()
-        if len(body) > MAX_BODY:
-            raise ApiError(413, f"request body is {len(body)} bytes; the limit is {MAX_BODY}", None,
-                           "request_too_large")
+        body = await _read_body(request)
         req = parse_chat_request(body, default_max_tokens)
         job = Job(req, asyncio.get_running_loop())
         worker.submit(job)

@@ -333,6 +333,8 @@ BAD = [
     ("unknown drafter", {"messages": _msgs("user"), "edgespec": {"drafter": "oracle"}}, "edgespec.drafter",
      "invalid_value"),
     ("unknown extension", {"messages": _msgs("user"), "edgespec": {"turbo": True}}, "edgespec", "invalid_value"),
+    ("model not a string", {"messages": _msgs("user"), "model": 123}, "model", "invalid_value"),
+    ("n is a bool", {"messages": _msgs("user"), "n": True}, "n", "invalid_value"),
 ]
 
 
@@ -375,6 +377,17 @@ def test_server_refuses_oversized_prompt_and_body_then_keeps_serving(server, fre
     assert status == 400 and obj["error"]["code"] == "context_length_exceeded"
     status, obj = _post(server, raw=b'{"messages": "' + b"x" * (5 << 20) + b'"}')
     assert status == 413 and obj["error"]["code"] == "request_too_large"
+    # without a Content-Length (chunked), the body is refused while it is read, not after holding all of it
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
+    try:
+        conn.request("POST", "/v1/chat/completions", (b"x" * (1 << 20) for _ in range(64)),
+                     {"Content-Type": "application/json"}, encode_chunked=True)
+        r = conn.getresponse()
+        assert r.status == 413 and json.loads(r.read())["error"]["code"] == "request_too_large"
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server may close the connection before the client has sent all 64 MB: refused either way
+    finally:
+        conn.close()
     for method, path, want in [("GET", "/v1/nothing", 404), ("GET", "/v1/chat/completions", 405),
                                ("GET", "/v1/models/other", 404)]:
         status, obj = _request(server, method, path)
