@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from .cli import positive_int
+
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "public.jsonl"
 
 
@@ -23,7 +25,18 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("prompts", nargs="?", default=str(DEFAULT_PROMPTS),
                     help="JSONL file of {id, category, turns: [...]} (default: ../shared/workloads/public.jsonl)")
     ap.add_argument("--model", metavar="DIR", help="exported model directory (default: embedded model)")
-    ap.add_argument("--threads", type=int, default=2, help="CPU threads for ONNX Runtime (default 2)")
+    ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} must be 0 or more")
+    return n
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,14 +44,14 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
     ap.add_argument("--modes", default="none,lookup,recycling,hybrid", help="comma-separated drafter modes (default none,lookup,recycling,hybrid)")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions per prompt and mode (default 3)")
-    ap.add_argument("--max-tokens", type=int, default=128, help="new tokens per answer (default 128)")
-    ap.add_argument("--limit", type=int, default=0, help="prompts per category (default: all)")
+    ap.add_argument("--reps", type=positive_int, default=3, help="repetitions per prompt and mode (default 3)")
+    ap.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per answer (default 128)")
+    ap.add_argument("--limit", type=non_negative_int, default=0, help="prompts per category (default 0: all)")
     ap.add_argument("--categories", help="comma-separated categories to run (default: all)")
     ap.add_argument("--second-turn", metavar="TEXT",
                     help="after each first answer, send TEXT as a second turn (e.g. a rewrite request); measured "
                          "under category '<cat>+turn2'")
-    ap.add_argument("--draft-len", type=int, help="draft length override")
+    ap.add_argument("--draft-len", type=non_negative_int, help="draft length override (0-64)")
     ap.add_argument("--cold", action="store_true",
                     help="every prompt starts from a fresh drafter state — Token Recycling's tables and the acceptance "
                          "statistics, as in a new process (the verify-latency measurements carry over) — instead of "
@@ -48,8 +61,34 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+ITEM_SHAPE = "expected {'id', 'category', 'turns': [str, ...]}"
+
+
+def read_workload(path: str | Path) -> list[dict]:
+    """Every item of a JSONL prompt file, checked: an object with an "id", a non-empty list of string "turns" and
+    an optional string "category"; a bad line raises ValueError naming the file and line."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"prompt file {p} not found; pass a JSONL file of "
+                                '{"id": ..., "category": ..., "turns": ["..."]} as the first argument')
+    items = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            it = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{p}:{n}: not JSON ({e})") from None
+        ok = isinstance(it, dict) and "id" in it and isinstance(it.get("category", "?"), str) \
+            and isinstance(it.get("turns"), list) and it["turns"] and all(isinstance(t, str) for t in it["turns"])
+        if not ok:
+            raise ValueError(f"{p}:{n}: {ITEM_SHAPE}")
+        items.append(it)
+    return items
+
+
 def _load_items(path: str, limit: int, cats: str | None) -> list[dict]:
-    items = [json.loads(l) for l in open(path) if l.strip()]
+    items = read_workload(path)
     want = set(cats.split(",")) if cats else None
     by: dict[str, list] = {}
     for it in items:
@@ -152,19 +191,36 @@ def main(argv=None) -> int:
 
     from .cli import peak_rss_mb
 
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    from .engine import DRAFTERS
+
+    modes = list(dict.fromkeys(m.strip() for m in a.modes.split(",") if m.strip()))
+    bad = [m for m in modes if m not in DRAFTERS or m == "auto"]
+    if bad:
+        known = ", ".join(d for d in DRAFTERS if d != "auto")
+        print(f"edge-bench: error: --modes {','.join(bad)}: choose from {known}", file=sys.stderr)
+        return 2
     if "none" not in modes:
         modes.insert(0, "none")  # the reference every other mode is compared with
+    if a.draft_len is not None and a.draft_len > 64:
+        print(f"edge-bench: error: --draft-len {a.draft_len}: at most 64", file=sys.stderr)
+        return 2
+    out, md_out = _outputs(a.out)
+    problem = unwritable(out) or unwritable(md_out)
+    if problem:  # found now, not after an hour of runs
+        print(f"edge-bench: error: --out {a.out}: {problem}", file=sys.stderr)
+        return 2
     try:
         items = _load_items(a.prompts, a.limit, a.categories)
-    except (OSError, ValueError, KeyError) as e:
-        print(f"edge-bench: error: cannot read prompts {a.prompts}: {e}", file=sys.stderr)
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        print(f"edge-bench: error: cannot read prompts: {e}", file=sys.stderr)
         return 2
     if not items:
         print(f"edge-bench: error: no prompts selected from {a.prompts}", file=sys.stderr)
         return 2
     try:
         engine = edge.load(a.model, drafter="auto", threads=a.threads)
+        for m in modes:  # a drafter this export cannot run is refused here, with the fix named
+            engine._resolve(m)
     except (EngineError, ModelDirError) as e:
         print(f"edge-bench: error: {e}", file=sys.stderr)
         return 2
@@ -213,14 +269,44 @@ def main(argv=None) -> int:
            "token_acceptance": {x: {"lifetime": round(h / n, 4), "n": int(n)} for x, (h, n) in
                                 sorted(learned.items())},
            "runs": runs}
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc))
     md = markdown(summary, modes)
-    out.with_suffix(".md").write_text(md + "\n")
+    try:
+        out.write_text(json.dumps(doc))
+        md_out.write_text(md + "\n")
+    except OSError as e:  # the runs are not lost: the results go to a temporary file instead
+        import tempfile
+
+        fd, spare = tempfile.mkstemp(prefix="edge-bench-", suffix=".json")
+        with open(fd, "w") as f:
+            f.write(json.dumps(doc))
+        print(f"edge-bench: error: cannot write {out} ({e}); the results are in {spare}", file=sys.stderr)
+        return 1
     print(json.dumps({"summary": summary, "peak_rss_mb": doc["peak_rss_mb"]}, indent=1))
     print(md)
     return 0
+
+
+def _outputs(path: str) -> tuple[Path, Path]:
+    """The JSON file and the markdown table beside it, never the same file (`--out r.md` writes r.json and r.md)."""
+    out = Path(path)
+    if out.suffix == ".md":
+        out = out.with_suffix(".json")
+    return out, out.with_suffix(".md")
+
+
+def unwritable(path: Path) -> str | None:
+    """Why `path` cannot be written (creating its directory if needed), or None."""
+    if path.is_dir():
+        return f"{path} is a directory; give a file name"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot create {path.parent} ({e.strerror or e})"
+    import os
+
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        return f"{path} is not writable"
+    return None
 
 
 if __name__ == "__main__":

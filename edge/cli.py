@@ -173,9 +173,18 @@ def _repl(engine, a) -> int:
         except Exception as e:  # keep the session alive on a bad request
             from . import ContextFull, EngineError
 
-            if isinstance(e, ContextFull) and chat.overflow != "drop_oldest":
-                print(f"error: the conversation is {e.n} tokens but the context holds {e.context}: /reset to start "
-                      "over, or restart edge-chat with --overflow drop_oldest (or a larger --context)", file=sys.stderr)
+            if isinstance(e, ContextFull):
+                most = engine.manifest.target.max_len
+                bigger = (f"restart edge-chat with a larger --context (this export holds up to {most})"
+                          if e.context < most else "this export holds no more")
+                if e.alone:  # nothing earlier to drop: only a shorter question or a larger window helps
+                    print(f"error: this question is {e.n} tokens with the chat template but the context holds "
+                          f"{e.context}: shorten it, or {bigger}", file=sys.stderr)
+                elif chat.overflow != "drop_oldest":
+                    print(f"error: the conversation is {e.n} tokens but the context holds {e.context}: /reset to "
+                          "start over, or restart edge-chat with --overflow drop_oldest", file=sys.stderr)
+                else:
+                    print(f"error: {e}", file=sys.stderr)
                 continue
             if not isinstance(e, EngineError):
                 raise
@@ -198,7 +207,8 @@ def _print_plan(a) -> int:
     except Exception as e:  # ProfileError / ProviderUnavailable / CalibrationError: say what to do
         print(f"edge-chat: error: {e}", file=sys.stderr)
         return 2
-    rep = plan_report(load_manifest(d, verify="none"), profile, a.context or DEFAULT_CONTEXT, a.budget_mb)
+    m = load_manifest(d, verify="none")
+    rep = plan_report(m, profile, a.context or min(DEFAULT_CONTEXT, m.target.max_len), a.budget_mb)
     if a.json:
         print(json.dumps(rep))
     else:

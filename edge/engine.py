@@ -41,11 +41,12 @@ class EngineError(Exception):
 
 
 class ContextFull(EngineError):
-    """A chat turn refused because the history does not fit the context (`n` tokens, `context` slots)."""
+    """A chat turn refused because the history does not fit the context (`n` tokens, `context` slots); `alone`:
+    the new question (with the system message) does not fit even without earlier turns."""
 
-    def __init__(self, message: str, n: int, context: int):
+    def __init__(self, message: str, n: int, context: int, alone: bool = False):
         super().__init__(message)
-        self.n, self.context = n, context
+        self.n, self.context, self.alone = n, context, alone
 
 
 class EngineBusy(EngineError):
@@ -73,19 +74,21 @@ class GenerationParams:
             if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool)):
                 raise EngineError(f"{name} must be an integer (got {v!r})")
         # max_tokens beyond the context is allowed: the answer ends with finish_reason "length" when the window is full
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+        mt = self.max_tokens
+        if not isinstance(mt, numbers.Integral) or isinstance(mt, bool) or mt <= 0:
             raise EngineError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
         if not (0 <= self.temperature < float("inf")):
             raise EngineError(f"temperature must be a finite number >= 0 (got {self.temperature!r}); 0 means greedy")
         if not (0 < self.top_p <= 1):
             raise EngineError(f"top_p must be in (0, 1] (got {self.top_p!r})")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
             raise EngineError(f"top_k must be an integer >= 0 (got {self.top_k!r}); 0 disables it")
         if self.drafter is not None and self.drafter not in DRAFTERS:
             raise EngineError(f"drafter {self.drafter!r}: choose one of {', '.join(DRAFTERS)}")
         if self.draft_len is not None and not (0 <= self.draft_len <= 64):
             raise EngineError(f"draft_len must be in [0, 64] (got {self.draft_len!r})")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0):
+        if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)
+                                      or self.seed < 0):
             raise EngineError(f"seed must be an integer >= 0 or None (got {self.seed!r})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise EngineError(f"stop strings must be non-empty strings (got {list(self.stop)!r})")
@@ -180,8 +183,9 @@ class Engine:
         if drafter not in DRAFTERS:
             raise EngineError(f"drafter {drafter!r}: choose one of {', '.join(DRAFTERS)}")
         for name, v in (("threads", threads), ("context", context)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1):
                 raise EngineError(f"{name} must be a whole number >= 1 (got {v!r})")
+        threads, context = int(threads), None if context is None else int(context)
         if verify not in VERIFY_LEVELS:
             raise EngineError(f"verify={verify!r}: choose one of {', '.join(VERIFY_LEVELS)}")
         self.model_dir = Path(model_dir)
@@ -229,7 +233,12 @@ class Engine:
         if profile is not None or budget_mb is not None:
             try:
                 self.plan = self._replan(self.context // 2, None)
-            except EngineError as e:  # say which context the numbers are for: --plan defaults to the full one
+            except EngineError as e:
+                from memory.planner import BudgetError
+
+                if not isinstance(e.__cause__, BudgetError):
+                    raise
+                # say which context the numbers are for: --plan defaults to the full one
                 raise EngineError(f"{e} (planned at load for half the {self.context}-token context, re-planned as a "
                                   f"chat grows; `edge-chat --plan --context {self.context}` shows the need at the "
                                   "full context)") from e.__cause__
@@ -667,12 +676,13 @@ class Chat:
                     self._fit(GenerationParams(**_normalize(dict(kw))).max_tokens)
                 n, ctx = len(self.engine.encode(self.messages)), self.engine.context
                 if n >= ctx:
+                    alone = len(self.messages) == 1 + bool(self.system)  # no earlier turn left to drop
                     raise ContextFull(
                         f"chat history is {n} tokens but the context holds {ctx}: "
                         + ("even the system message and this question alone do not fit; shorten them"
-                           if self.overflow == "drop_oldest" else
+                           if alone or self.overflow == "drop_oldest" else
                            "start a new chat (reset), or use Chat(overflow='drop_oldest') to drop the oldest turns"),
-                        n, ctx)
+                        n, ctx, alone)
                 for ch in self.engine.stream(self.messages, **kw):
                     answer.append(ch.text)
                     started = True

@@ -31,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from .bench import add_workload_args
+from .bench import add_workload_args, read_workload
+from .cli import positive_int
 
 STEPS = ("latency", "acceptance", "speed", "memory")
 EXTRA_STEPS = ("chat",)  # only when asked: a budgeted edge-chat session (see budget_chat)
@@ -39,8 +40,17 @@ ENGINE_CONTEXT = 4096  # KV slots of the engine that measures latency and accept
 med = statistics.median
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
+def _int_list(minimum: int):
+    """argparse type: comma-separated integers, each >= minimum, at least one."""
+    def parse(text: str) -> list[int]:
+        try:
+            vals = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated whole numbers") from None
+        if not vals or min(vals) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected numbers >= {minimum}")
+        return vals
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,23 +59,24 @@ def _parser() -> argparse.ArgumentParser:
     add_workload_args(ap)
     ap.add_argument("--out", default="bench-out/edge-profile", help="output directory (default bench-out/edge-profile)")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
-    ap.add_argument("--sizes", default="1,2,3,4,6,8,12,16,24,32,48,65", help="rows per call for the latency curve")
-    ap.add_argument("--latency-context", type=int, default=256)
-    ap.add_argument("--latency-reps", type=int, default=7)
+    ap.add_argument("--sizes", type=_int_list(1), default="1,2,3,4,6,8,12,16,24,32,48,65",
+                    help="rows per call for the latency curve")
+    ap.add_argument("--latency-context", type=positive_int, default=256)
+    ap.add_argument("--latency-reps", type=positive_int, default=7)
     ap.add_argument("--prompts-per-category", type=int, default=1, help="prompts taken from each category")
     ap.add_argument("--max-prompt-tokens", type=int, default=768,
                     help="skip prompts longer than this (default 768: keeps the run short)")
     ap.add_argument("--accept-k", type=int, default=16, help="chain length drafted while measuring acceptance")
     ap.add_argument("--accept-k-model", type=int, default=4,
                     help="the same for a model drafter, whose every draft token costs a drafter call")
-    ap.add_argument("--max-tokens", type=int, default=64, help="new tokens per answer (acceptance and speed)")
-    ap.add_argument("--sweep-ks", default="1,2,4,8,16,64", help="draft lengths / tree node budgets swept")
+    ap.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per answer (acceptance and speed)")
+    ap.add_argument("--sweep-ks", type=_int_list(1), default="1,2,4,8,16,64", help="draft lengths / tree node budgets swept")
     ap.add_argument("--sweep-drafters", default="recycling,hybrid,lookup", help="drafters swept (comma-separated)")
     ap.add_argument("--sweep-prompts", type=int, default=2, help="prompts in the speed sweep (one per category)")
-    ap.add_argument("--reps", type=int, default=2, help="repeats of the speed sweep")
+    ap.add_argument("--reps", type=positive_int, default=2, help="repeats of the speed sweep")
     ap.add_argument("--budget-mb", type=float, help="budget for the planner's choice (default: the host profile's)")
-    ap.add_argument("--contexts", default="256,1024,4096", help="contexts of the memory sweep")
-    ap.add_argument("--mem-ks", default="0,16", help="draft lengths of the memory sweep (0 = plain decoding)")
+    ap.add_argument("--contexts", type=_int_list(1), default="256,1024,4096", help="contexts of the memory sweep")
+    ap.add_argument("--mem-ks", type=_int_list(0), default="0,16", help="draft lengths of the memory sweep (0 = plain decoding)")
     ap.add_argument("--mem-drafter", default="lookup", help="drafter of the memory sweep's speculative runs")
     ap.add_argument("--specmemo-context", type=int, default=1024,
                     help="context of the managed (planner's K) vs unmanaged (longest K) memory pair; 0 = skip")
@@ -85,25 +96,14 @@ def _parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------------------------------------- prompts
 def load_prompts(path: str, per_category: int) -> list[dict]:
     """Items of a JSONL prompt file, `per_category` from each category (0 = all), in file order."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"prompt file {p} not found; pass a JSONL file of "
-                                '{"id": ..., "category": ..., "turns": ["..."]} as the first argument')
     items, seen = [], {}
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            it = json.loads(line)
-            assert isinstance(it["turns"], list) and it["turns"] and all(isinstance(t, str) for t in it["turns"])
-        except (ValueError, KeyError, TypeError, AssertionError):
-            raise ValueError(f"{p}:{n}: expected {{'id', 'category', 'turns': [str, ...]}}") from None
+    for it in read_workload(path):
         c = it.get("category", "?")
         if not per_category or seen.get(c, 0) < per_category:
             seen[c] = seen.get(c, 0) + 1
             items.append(it)
     if not items:
-        raise ValueError(f"{p}: no prompts")
+        raise ValueError(f"{path}: no prompts")
     return items
 
 
@@ -356,9 +356,14 @@ def main(argv=None) -> int:
     t_start = time.time()
     model_dir = Path(a.model) if a.model else edge.ensure_default_model()
     out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     try:
-        want = max(a.latency_context + max(_ints(a.sizes)) + 8, ENGINE_CONTEXT)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"edge-profile: error: --out {out}: cannot create the output directory ({e.strerror or e})",
+              file=sys.stderr)
+        return 2
+    try:
+        want = max(a.latency_context + max(a.sizes) + 8, ENGINE_CONTEXT)
         cap = load_manifest(model_dir, verify="none").target.max_len  # a smaller export: as much as it holds
         engine = edge.Engine(model_dir, drafter="none", threads=a.threads, context=min(want, cap))
     except (EngineError, ModelDirError, ValueError) as e:
@@ -371,7 +376,7 @@ def main(argv=None) -> int:
         print(f"edge-profile: error: no prompt in {a.prompts} fits --max-prompt-tokens {a.max_prompt_tokens}",
               file=sys.stderr)
         return 2
-    sizes, sweep_ks, contexts, mem_ks = _ints(a.sizes), _ints(a.sweep_ks), _ints(a.contexts), _ints(a.mem_ks)
+    sizes, sweep_ks, contexts, mem_ks = a.sizes, a.sweep_ks, a.contexts, a.mem_ks
     contexts = [c for c in contexts if c + max(mem_ks + [0]) * 2 + 40 <= m.target.max_len]
     sweep_items = round_robin(items)[: a.sweep_prompts]
     sweep_drafters = [d for d in a.sweep_drafters.split(",") if d.strip()]
@@ -442,9 +447,9 @@ def main(argv=None) -> int:
                     pts.append(memory_point(model_dir, c, k, a.mem_drafter, a.threads, text, mcal))
                     prog.step(f"memory ctx={c} K={k}")
             doc["memory"] = {"points": pts, "table": validation_table(pts)}
-            if a.specmemo_context and plan0 is not None:
-                c = a.specmemo_context
-                top = max(sweep_ks + mem_ks)
+            top = max(sweep_ks + mem_ks)
+            c = min(a.specmemo_context, m.target.max_len - 2 * top - 40)  # room for the drafts, as `contexts`
+            if a.specmemo_context and plan0 is not None and c > 0:
                 d = plan0.drafter if plan0.drafter not in ("none", "model") else a.mem_drafter
                 pair = {str(k): memory_point(model_dir, c, k, d, a.threads, text, mcal)
                         for k in (0, max(plan0.nodes, 1), top)}
@@ -534,13 +539,17 @@ def budget_chat(model_dir, items, turns: int, context: int, max_tokens: int, bud
     from .planning import capabilities, plan_report, profile_for
 
     m = load_manifest(model_dir, verify="none")
+    context = min(context, m.target.max_len)  # a smaller export: as much as it holds (edge-chat refuses more)
     profile = profile_for(None, calibration=calibration, model_dir=model_dir)
     prompts = [" ".join(items[i % len(items)]["turns"][0].split()) for i in range(turns)]
     stdin = "".join(f"{p}\n/stats\n" for p in prompts) + "/quit\n"
     free = None
     if budget is None:
-        free = _chat_rows(_chat_cli(model_dir, profile.budget_mb, context, calibration, threads, stdin,
-                                    max_tokens).stderr)
+        r0 = _chat_cli(model_dir, profile.budget_mb, context, calibration, threads, stdin, max_tokens)
+        free = _chat_rows(r0.stderr)
+        if not free:
+            raise ValueError(f"the unconstrained edge-chat pass answered no turn (exit {r0.returncode}): "
+                             + " / ".join(r0.stderr.strip().splitlines()[-3:]))
         last = max(r["planned_for_context"] for r in free)
         lb = min_budget_speculative(m, last, None, profile, min_call=2, capacity=context, **capabilities(m))
         if lb is None:

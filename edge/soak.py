@@ -18,8 +18,13 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from memory.footprint import recycling_bytes
+
+from .bench import unwritable, non_negative_int
+from .cli import positive_int
+from .engine import DRAFTERS
 
 QUESTIONS = [
     "Name a river in Europe.", "What is 7 times 8?", "Give me a synonym for quick.", "Who wrote Hamlet?",
@@ -134,19 +139,28 @@ def soak(engine, turns: int, max_tokens: int = 12, group: int = 20, interrupt_ev
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m edge.soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", help="exported model directory (default: the embedded model)")
-    ap.add_argument("--turns", type=int, default=500)
-    ap.add_argument("--max-tokens", type=int, default=12)
-    ap.add_argument("--group", type=int, default=20, help="turns per chat before a reset (drafter state kept)")
-    ap.add_argument("--interrupt-every", type=int, default=10, help="close every N-th answer after one chunk (0: never)")
-    ap.add_argument("--every", type=int, default=10, help="record RSS every N turns")
-    ap.add_argument("--context", type=int, default=None)
-    ap.add_argument("--drafter", default="auto")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--turns", type=positive_int, default=500)
+    ap.add_argument("--max-tokens", type=positive_int, default=12)
+    ap.add_argument("--group", type=positive_int, default=20, help="turns per chat before a reset (drafter state kept)")
+    ap.add_argument("--interrupt-every", type=non_negative_int, default=10,
+                    help="close every N-th answer after one chunk (0: never)")
+    ap.add_argument("--every", type=positive_int, default=10, help="record RSS every N turns")
+    ap.add_argument("--context", type=positive_int, default=None)
+    ap.add_argument("--drafter", default="auto", choices=DRAFTERS)
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--json", help="write the report here")
     a = ap.parse_args(argv)
     import edge
 
-    engine = edge.load(a.model_dir, drafter=a.drafter, threads=a.threads, context=a.context, device="host")
+    if a.json:
+        problem = unwritable(Path(a.json))
+        if problem:  # found before the soak, not after it
+            ap.error(f"--json {a.json}: {problem}")
+    try:
+        engine = edge.load(a.model_dir, drafter=a.drafter, threads=a.threads, context=a.context, device="host")
+    except (edge.EngineError, edge.ModelDirError) as e:
+        print(f"edge.soak: error: {e}", file=sys.stderr)
+        return 2
     r = soak(engine, a.turns, a.max_tokens, a.group, a.interrupt_every, a.every, log=sys.stderr)
     if a.json:
         with open(a.json, "w") as f:

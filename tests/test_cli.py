@@ -42,10 +42,16 @@ def test_chat_repl_survives_refusals_and_unknown_commands(model):
     r = _run(["edge.cli", "--model", model, "--max-tokens", "4", "--context", "40"],
              stdin=f"{long_q}\n/qiut\nhi\n/quit\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
-    assert "/reset to start over" in r.stderr and "--overflow drop_oldest" in r.stderr
-    assert "Chat(overflow" not in r.stderr  # the Python API's advice is not the CLI user's
+    assert "shorten it, or restart edge-chat with a larger --context (this export holds up to 256)" in r.stderr
+    err = next(ln for ln in r.stderr.splitlines() if ln.startswith("error:"))
+    assert "Chat(overflow" not in err and "/reset" not in err  # neither helps a question that is too long
     assert "unknown command /qiut" in r.stderr
     assert r.stderr.count("tok/s decode") == 1  # only the answered turn has a stats line
+    # after some turns a question that would fit alone: /reset or --overflow drop_oldest help
+    r = _run(["edge.cli", "--model", model, "--max-tokens", "8", "--context", "64"],
+             stdin="".join(f"tell me about rivers number {i}\n" for i in range(8)) + "/quit\n")
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "/reset to start over, or restart edge-chat with --overflow drop_oldest" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("flags,needle", [
@@ -91,6 +97,68 @@ def test_bench_writes_json_and_markdown(model, tmp_path):
         assert cat["none"]["ratio_vs_none"] == 1.0
         assert cat["lookup"]["identical_to_none"] == "1/1" and cat["recycling"]["identical_to_none"] == "1/1"
     assert out.with_suffix(".md").read_text().startswith("| category |")
+
+
+@pytest.mark.parametrize("lines,needle", [
+    (['{"id": "a", "category": "qa"}'], "p.jsonl:1: expected"),  # no turns (was a KeyError traceback)
+    (['{"category": "qa", "turns": ["hi"]}'], "p.jsonl:1: expected"),  # no id
+    (["[1, 2]"], "p.jsonl:1: expected"),  # JSON, not an object
+    (['{"id": "a", "turns": "Hello"}'], "p.jsonl:1: expected"),  # a string (was run as 5 one-letter turns)
+    (['{"id": "a", "turns": []}'], "p.jsonl:1: expected"),  # nothing to ask (was an empty table)
+    (['{"id": "a", "turns": [5]}'], "p.jsonl:1: expected"),
+    (['{"id": "a", "turns": ["hi"]}', "not json"], "p.jsonl:2: not JSON"),  # the file's line, not the JSON's
+])
+def test_bench_bad_workload_lines_are_one_clear_error(model, tmp_path, lines, needle):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "1", "--out", str(tmp_path / "o.json")])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert needle in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--reps", "0"], "--reps"), (["--max-tokens", "0"], "--max-tokens"), (["--limit", "-1"], "--limit"),
+    (["--draft-len", "-1"], "--draft-len"), (["--draft-len", "65"], "--draft-len"), (["--modes", "bogus"], "bogus"),
+    (["--modes", "model"], "no drafter graph"),
+])
+def test_bench_bad_flags_fail_before_running(tmp_path, exported_llama, tiny_llama_dir, flags, needle):
+    from export.pipeline import export_model
+
+    from conftest import tiny_export_options
+
+    model = tmp_path / "nodrafter"  # for --modes model: an export without a drafter graph
+    export_model(tiny_llama_dir, model, tiny_export_options(drafters=(), parity=False), progress=False)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "category": "qa", "turns": ["hi"]}) + "\n")
+    r = _run(["edge.bench", str(prompts), "--model", str(model), "--out", str(tmp_path / "o.json"), *flags])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert needle in r.stderr, r.stderr
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_bench_output_problems_found_before_running_and_md_never_overwrites_json(model, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "category": "qa", "turns": ["hi"]}) + "\n")
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for bad in (tmp_path, a_file / "o.json"):  # a directory; a path under a file
+        r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "1", "--max-tokens", "4", "--out", str(bad)])
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "--out" in r.stderr, r.stderr
+        assert "decode" not in r.stdout  # refused before any run
+    r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "1", "--max-tokens", "4", "--modes", "none",
+              "--out", str(tmp_path / "r.md"), "--quiet"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["summary"]
+    assert (tmp_path / "r.md").read_text().startswith("| category |")
+
+
+def test_soak_bad_flags_fail_before_running(tmp_path):
+    for flags, needle in ((["--turns", "0"], "--turns"), (["--every", "0"], "--every"), (["--group", "0"], "--group"),
+                          (["--drafter", "bogus"], "--drafter"), (["--max-tokens", "0"], "--max-tokens"),
+                          (["--model-dir", str(tmp_path / "nope")], "no such model directory")):
+        r = _run(["edge.soak", *flags], timeout=120)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (flags, r.stderr)
+        assert needle in r.stderr, (flags, r.stderr)
 
 
 def test_engine_flags_shared_by_chat_and_serve():

@@ -80,6 +80,21 @@ def test_edge_profile_missing_prompt_file_is_one_clear_line(tmp_path):
     assert "nope.jsonl not found" in r.stderr
 
 
+@pytest.mark.parametrize("flags", [["--sizes", "x"], ["--sweep-ks", "x"], ["--contexts", "1k"], ["--sizes", "0"],
+                                   ["--sizes", "-3"], ["--latency-reps", "0"], ["--mem-ks", "-1"], ["--reps", "0"]])
+def test_edge_profile_bad_numbers_are_argument_errors(prompts, tmp_path, flags):
+    r = _run(["edge.profile", str(prompts), "--out", str(tmp_path / "o"), *flags])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert flags[0] in r.stderr and not (tmp_path / "o").exists()
+
+
+def test_edge_profile_output_under_a_file_is_one_clear_line(tiny_dir, prompts, tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    r = _run(["edge.profile", str(prompts), "--model", str(tiny_dir), "--out", str(f / "o")])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--out" in r.stderr, r.stderr
+
+
 def test_pure_helpers():
     pts = [{"context": 256, "k": 0, "widest_call": 2, "drafter": "none", "peak_rss_mb": 250.0, "predicted_mb": 240.0},
            {"context": 256, "k": 16, "widest_call": 17, "drafter": "lookup", "peak_rss_mb": 251.0,

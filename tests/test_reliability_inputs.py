@@ -273,3 +273,34 @@ def test_refused_chat_turn_leaves_the_history_as_it_was(engine, kw):
 def test_bad_load_arguments_are_refused(tiny_dir, kw, match):
     with pytest.raises(EngineError, match=match):
         edge.load(tiny_dir, drafter="none", **kw)
+
+
+def test_chat_failure_before_the_first_chunk_restores_the_history_and_after_it_keeps_the_turn(engine, monkeypatch):
+    """Any error before anything was shown (not only EngineError) leaves the history as it was; once text was
+    shown, the turn stays with that text, as for an interrupt."""
+    chat = engine.chat()
+    chat.ask("hello", max_tokens=4)
+    before = [dict(m) for m in chat.messages]
+    real = engine.stream
+
+    def failing(after: int):
+        def stream(*a, **k):
+            for i, ch in enumerate(real(*a, **k)):
+                if i == after:
+                    raise RuntimeError("simulated failure")
+                yield ch
+        return stream
+
+    monkeypatch.setattr(engine, "stream", failing(0))
+    with pytest.raises(RuntimeError):
+        chat.ask("and then?", max_tokens=6)
+    assert chat.messages == before
+    monkeypatch.setattr(engine, "stream", failing(1))
+    shown = []
+    with pytest.raises(RuntimeError):
+        for ch in chat.send("and then?", max_tokens=6):
+            shown.append(ch.text)
+    assert len(shown) == 1 and chat.messages[:-2] == before
+    assert chat.messages[-2:] == [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": shown[0]}]
+    monkeypatch.undo()
+    consistent(engine)
