@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import positive_int
+from .cli import non_negative_int, positive_int
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "public.jsonl"
 
@@ -26,17 +26,6 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
                     help="JSONL file of {id, category, turns: [...]} (default: ../shared/workloads/public.jsonl)")
     ap.add_argument("--model", metavar="DIR", help="exported model directory (default: embedded model)")
     ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} must be 0 or more")
-    return n
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -20,15 +20,21 @@ def peak_rss_mb() -> float:
     return peak_rss_bytes() / 2**20
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
-    return n
+def int_at_least(minimum: int):
+    """argparse type: a whole number >= minimum."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"{n} must be at least {minimum}")
+        return n
+    parse.__name__ = "positive_int" if minimum == 1 else f"int_at_least_{minimum}"  # argparse names it in errors
+    return parse
+
+
+positive_int, non_negative_int = int_at_least(1), int_at_least(0)
 
 
 def positive_float(text: str) -> float:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from memory.footprint import recycling_bytes
 
-from .bench import unwritable, non_negative_int
-from .cli import positive_int
+from .bench import unwritable
+from .cli import non_negative_int, positive_int
 from .engine import DRAFTERS
 
 QUESTIONS = [
