@@ -95,27 +95,66 @@ def test_crash_between_the_swap_renames(exported_llama, tmp_path, monkeypatch, t
 
 
 def test_cleanup_cut_short_still_restarts_cleanly(tiny_llama_dir, tmp_path, monkeypatch):
-    """A second interrupt while the failed export deletes its .partial directory (the user presses Ctrl-C again):
-    the marker goes last, so what is left is still recognized as ours and the next run clears it."""
+    """A second interrupt while the failed export deletes its .partial directory (the user presses Ctrl-C again),
+    after any number of deleted files: the marker goes last, so what is left is always recognized as ours and the
+    next run clears it."""
     out = tmp_path / "m"
-    interrupt(monkeypatch, "rank_vocabulary", KeyboardInterrupt())  # the export fails after the target graph
+    opts = tiny_export_options(drafters=(), parity=False)
+    real = os.unlink
+    for cut in range(1, 12):
+        interrupt(monkeypatch, "rank_vocabulary", KeyboardInterrupt())  # the export fails after the target graph
+        calls = []
+
+        def unlink(*a, **k):
+            calls.append(a)
+            if len(calls) == cut:  # ... and its cleanup is interrupted after deleting cut - 1 files
+                raise KeyboardInterrupt
+            return real(*a, **k)
+
+        monkeypatch.setattr(os, "unlink", unlink)
+        with pytest.raises(KeyboardInterrupt):
+            export_model(tiny_llama_dir, out, opts, progress=False)
+        monkeypatch.undo()
+        part = tmp_path / "m.partial"
+        if len(calls) < cut:  # the cleanup finished before the cut: nothing left
+            assert not part.exists()
+            break
+        assert (part / pipeline.PARTIAL_MARKER).is_file(), (cut, sorted(p.name for p in part.iterdir()))
+        export_model(tiny_llama_dir, out, opts, progress=False)  # recognized and cleared
+        load_manifest(out, verify="sha256")
+        assert siblings(out) == ["m"]
+        shutil.rmtree(out)
+    else:
+        pytest.fail("the cleanup never finished within 11 deletions")
+
+
+def test_work_directory_marker_is_deleted_last_whatever_the_listing_order(tmp_path, monkeypatch):
+    """The guarantee behind the test above, independent of the file system's listing order: even when the marker is
+    listed first, an interrupt after the first deletion leaves it in place."""
+    from pathlib import Path
+
+    d = tmp_path / "m.partial"
+    (d / "sub").mkdir(parents=True)
+    for name in ("a.bin", "sub/b.bin", pipeline.PARTIAL_MARKER):
+        (d / name).write_text("x")
+    listing = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: iter(sorted(listing(self), key=lambda p: not p.name.startswith("."))))
+
     real, calls = os.unlink, []
 
-    def unlink(*a, **k):
+    def unlink(*a, **k):  # the first deletion happens, the second is interrupted
         calls.append(a)
-        if len(calls) == 2:  # ... and its cleanup is interrupted after deleting one file
+        if len(calls) == 2:
             raise KeyboardInterrupt
         return real(*a, **k)
 
     monkeypatch.setattr(os, "unlink", unlink)
     with pytest.raises(KeyboardInterrupt):
-        export_model(tiny_llama_dir, out, tiny_export_options(), progress=False)
+        pipeline._remove_ours(d, pipeline.PARTIAL_MARKER)
     monkeypatch.undo()
-    part = tmp_path / "m.partial"
-    assert len(calls) == 2 and (part / pipeline.PARTIAL_MARKER).is_file() and len(list(part.iterdir())) > 1
-    export_model(tiny_llama_dir, out, tiny_export_options(), progress=False)
-    load_manifest(out, verify="sha256")
-    assert siblings(out) == ["m"]
+    assert (d / pipeline.PARTIAL_MARKER).is_file()
+    pipeline._remove_ours(d, pipeline.PARTIAL_MARKER)
+    assert not d.exists()
 
 
 def test_full_vocab_drafter(tmp_path, tiny_llama_dir, tiny_llama):

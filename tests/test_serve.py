@@ -369,6 +369,40 @@ def test_server_answers_bad_requests_with_error_objects(server, name, body, para
     assert set(obj["error"]) == {"message", "type", "param", "code"}
 
 
+def test_body_is_refused_before_it_is_held_whole():
+    """The 4 MB limit is applied from Content-Length before reading, and to a chunked body while it is read: at
+    most one chunk past the limit is ever held."""
+    import asyncio
+
+    from edge.serve import MAX_BODY, _read_body
+
+    consumed = []
+
+    class Chunked:
+        headers: dict = {}
+
+        async def stream(self):
+            for i in range(64):
+                consumed.append(i)
+                yield b"x" * (1 << 20)
+
+    class Declared(Chunked):
+        headers = {"content-length": str(600 << 20)}
+
+    for req, read in ((Chunked(), MAX_BODY // (1 << 20) + 1), (Declared(), 0)):
+        consumed.clear()
+        with pytest.raises(ApiError) as e:
+            asyncio.run(_read_body(req))
+        assert e.value.status == 413 and len(consumed) == read, (type(req).__name__, len(consumed))
+
+    class Small(Chunked):
+        async def stream(self):
+            yield b'{"messages": '
+            yield b"[]}"
+
+    assert asyncio.run(_read_body(Small())) == b'{"messages": []}'
+
+
 def test_server_refuses_oversized_prompt_and_body_then_keeps_serving(server, fresh):
     long = [{"role": "user", "content": "the quick brown fox " * 200}]  # far past the tiny export's 256 tokens
     status, obj = _post(server, {"messages": long, "max_tokens": 4})
