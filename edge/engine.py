@@ -183,7 +183,8 @@ class Engine:
         if drafter not in DRAFTERS:
             raise EngineError(f"drafter {drafter!r}: choose one of {', '.join(DRAFTERS)}")
         for name, v in (("threads", threads), ("context", context)):
-            if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1):
+            if (v is not None or name == "threads") and (not isinstance(v, numbers.Integral) or isinstance(v, bool)
+                                                         or v < 1):
                 raise EngineError(f"{name} must be a whole number >= 1 (got {v!r})")
         threads, context = int(threads), None if context is None else int(context)
         if verify not in VERIFY_LEVELS:

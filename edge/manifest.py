@@ -164,11 +164,12 @@ def load_manifest(model_dir: str | os.PathLike, verify: str = "size") -> Manifes
         raise ModelDirError(f"{model_dir} holds a model checkpoint, not an edgespec export; export it first into a new "
                             f"directory: edge-export {model_dir} -o {d.with_name(d.name + '-edgespec')}")
     if not path.is_file():
-        # edge-export accepts an empty directory or the remains of its own swap; anything else is refused there
-        ours = not any(p.name != OLD_MARKER for p in model_dir.iterdir())
+        # edge-export accepts an empty directory, the remains of its own swap, or its own cache (--default --force);
+        # anything else is refused there
+        again = reexport_command(model_dir)
+        ours = again.startswith("edge-export --default") or not any(p.name != OLD_MARKER for p in model_dir.iterdir())
         raise ModelDirError(f"{path}: missing — {model_dir} is not a complete edgespec export "
-                            + (f"(an interrupted export never writes it); re-run edge-export into it: "
-                               f"{reexport_command(model_dir)}" if ours else
+                            + (f"(an interrupted export never writes it); re-run edge-export into it: {again}" if ours else
                                "and holds other files; export into a new directory (edge-export CHECKPOINT -o NEW_DIR), "
                                "or, if it is a damaged export, delete it and export into it again"))
     try:

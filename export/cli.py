@@ -39,7 +39,7 @@ def export_default(progress: bool = True, force: bool = False, opts: ExportOptio
     if progress:
         print(f"edge-export: building the embedded default SmolLM2-135M-Instruct into {out} (first run only)",
               file=sys.stderr)
-    return export_model(src, out, opts, progress=progress)
+    return export_model(src, out, opts, progress=progress, cache_dir=True)
 
 
 def _positive(text: str) -> int:

@@ -144,12 +144,14 @@ def _distill_data(target: Path, c, layers: list[int], texts: list[tuple[list[int
 
 
 def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, opts: ExportOptions = ExportOptions(),
-                 progress: bool = True, checkpoint: Checkpoint | None = None, via: str = "builder") -> Manifest:
+                 progress: bool = True, checkpoint: Checkpoint | None = None, via: str = "builder",
+                 cache_dir: bool = False) -> Manifest:
     """via: "builder" (our own graph, export/graph.py) or "optimum" (export/via_optimum.py: other architectures).
-    Everything is written into `<out>.partial/` and swapped into place only when complete."""
+    Everything is written into `<out>.partial/` and swapped into place only when complete. `cache_dir`: OUT is
+    edgespec's own cache (the embedded default), replaced even when a damaged export there lost its manifest."""
     out_dir = Path(os.path.abspath(out_dir))  # "." has no name to derive <out>.partial from
     part = out_dir.with_name(out_dir.name + ".partial")
-    check_output_dir(source, out_dir)
+    check_output_dir(source, out_dir, cache_dir)
     if part.exists():
         _remove_ours(part, PARTIAL_MARKER)  # an earlier interrupted export (check_output_dir saw its marker)
     part.mkdir(parents=True)
@@ -351,7 +353,7 @@ def _remove_ours(d: Path, marker: str, ignore_errors: bool = False) -> None:
             raise
 
 
-def check_output_dir(source, out_dir: Path) -> None:
+def check_output_dir(source, out_dir: Path, cache_dir: bool = False) -> None:
     """An export replaces OUT as a whole (and uses <OUT>.partial / <OUT>.old beside it), so refuse before any work
     if that would delete anything that is not an earlier export: a non-empty OUT without a manifest, the source
     itself or a directory holding it, or sibling work directories without our marker."""
@@ -360,7 +362,7 @@ def check_output_dir(source, out_dir: Path) -> None:
     src = Path(os.path.abspath(source))
     if src == out_dir or out_dir in src.parents:
         raise ValueError(f"-o {out_dir} would replace the source {src}: export into a new directory")
-    if out_dir.is_dir() and not ((out_dir / MANIFEST_NAME).is_file() or _ours(out_dir, OLD_MARKER)):
+    if out_dir.is_dir() and not (cache_dir or (out_dir / MANIFEST_NAME).is_file() or _ours(out_dir, OLD_MARKER)):
         raise ValueError(f"{out_dir} is not empty and holds no edgespec export ({MANIFEST_NAME}); an export replaces "
                          "its output directory as a whole, so give a new or empty directory")
     for d, marker in ((out_dir.with_name(out_dir.name + ".partial"), PARTIAL_MARKER),

@@ -197,6 +197,19 @@ def test_output_that_is_not_an_export_is_never_replaced(run_export_cli, tiny_lla
     assert (tmp_path / "fresh.old" / "mine.txt").exists() and not (tmp_path / "fresh").exists()
 
 
+def test_the_default_cache_directory_is_replaced_even_without_its_manifest(tiny_llama_dir, tmp_path):
+    """edgespec's own cache (`edge-export --default --force`) is rebuilt even when a damaged export there lost its
+    manifest; a user's directory in the same state is refused."""
+    from export.pipeline import check_output_dir
+
+    damaged = tmp_path / "smollm2"
+    damaged.mkdir()
+    (damaged / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="holds no edgespec export"):
+        check_output_dir(tiny_llama_dir, damaged)
+    check_output_dir(tiny_llama_dir, damaged, cache_dir=True)
+
+
 def test_reexport_replaces_an_earlier_export(tiny_llama_dir, tmp_path):
     """An earlier export (or an empty directory) is a valid output; the new manifest lists no marker files."""
     from edge.manifest import MANIFEST_NAME

@@ -268,6 +268,7 @@ def test_refused_chat_turn_leaves_the_history_as_it_was(engine, kw):
 
 
 @pytest.mark.parametrize("kw,match", [(dict(threads=0), "threads"), (dict(threads="2"), "threads"),
+                                      (dict(threads=None), "threads"),
                                       (dict(context=0), "context"), (dict(context=-5), "context"),
                                       (dict(context=10**6), "exported for"), (dict(verify="bogus"), "verify")])
 def test_bad_load_arguments_are_refused(tiny_dir, kw, match):
