@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import errno
 import inspect
 import ipaddress
 import json
@@ -517,6 +518,28 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _port_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (in use, not an address here), or None. Checked with a bind
+    like uvicorn's own (SO_REUSEADDR), then released for it."""
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"cannot resolve --host {host} ({e.strerror or e})"
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            hint = "; stop the other server or choose another --port" if e.errno == errno.EADDRINUSE else ""
+            return f"cannot listen on {host}:{port} ({e.strerror or e}){hint}"
+    return None
+
+
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     if a.max_queue < 0 or a.max_tokens < 1 or not 0 <= a.port < 65536:
@@ -525,6 +548,10 @@ def main(argv=None) -> int:
     if not _is_loopback(a.host):
         print(f"edge-serve: warning: binding {a.host}: the API has no authentication; anyone who can reach this "
               "address can use the model", file=sys.stderr)
+    problem = _port_problem(a.host, a.port)
+    if problem:  # before loading the model, and before claiming to serve on it
+        print(f"edge-serve: error: {problem}", file=sys.stderr)
+        return 2
     import uvicorn
 
     import edge

@@ -455,3 +455,18 @@ def test_real_model_openai_client_equals_engine():
         assert r.choices[0].message.content == ref.text
     finally:
         _stop_server(proc)
+
+
+def test_busy_port_is_one_clear_line_before_loading(tiny_dir):
+    """A port another server holds is refused before the model loads, and nothing claims to serve on it."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        script = Path(sys.executable).with_name("edge-serve")
+        t = time.monotonic()
+        r = subprocess.run([str(script), "--model-dir", str(tiny_dir), "--port", str(port)], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "another --port" in r.stderr, r.stderr
+    assert " on http://" not in r.stderr and time.monotonic() - t < 30
