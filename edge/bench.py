@@ -180,7 +180,7 @@ def main(argv=None) -> int:
 
     from .cli import peak_rss_mb
 
-    from .engine import DRAFTERS
+    from .engine import DRAFTERS, GenerationParams
 
     modes = list(dict.fromkeys(m.strip() for m in a.modes.split(",") if m.strip()))
     bad = [m for m in modes if m not in DRAFTERS or m == "auto"]
@@ -190,8 +190,10 @@ def main(argv=None) -> int:
         return 2
     if "none" not in modes:
         modes.insert(0, "none")  # the reference every other mode is compared with
-    if a.draft_len is not None and a.draft_len > 64:
-        print(f"edge-bench: error: --draft-len {a.draft_len}: at most 64", file=sys.stderr)
+    try:  # the engine's own bounds, checked before loading it
+        GenerationParams(max_tokens=a.max_tokens, draft_len=a.draft_len).check(0)
+    except EngineError as e:
+        print(f"edge-bench: error: --draft-len / --max-tokens: {e}", file=sys.stderr)
         return 2
     out, md_out = _outputs(a.out)
     problem = unwritable(out) or unwritable(md_out)

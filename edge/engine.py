@@ -40,6 +40,11 @@ class EngineError(Exception):
     """Bad request or unusable state; the message says what to change."""
 
 
+def _is_int(v) -> bool:
+    """A whole number (numpy's too), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 class ContextFull(EngineError):
     """A chat turn refused because the history does not fit the context (`n` tokens, `context` slots); `alone`:
     the new question (with the system message) does not fit even without earlier turns."""
@@ -71,11 +76,10 @@ class GenerationParams:
                 raise EngineError(f"{name} must be a number (got {v!r})")
         for name in ("top_k", "draft_len"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool)):
+            if v is not None and not _is_int(v):
                 raise EngineError(f"{name} must be an integer (got {v!r})")
         # max_tokens beyond the context is allowed: the answer ends with finish_reason "length" when the window is full
-        mt = self.max_tokens
-        if not isinstance(mt, numbers.Integral) or isinstance(mt, bool) or mt <= 0:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise EngineError(f"max_tokens must be a positive integer (got {self.max_tokens!r})")
         if not (0 <= self.temperature < float("inf")):
             raise EngineError(f"temperature must be a finite number >= 0 (got {self.temperature!r}); 0 means greedy")
@@ -87,8 +91,7 @@ class GenerationParams:
             raise EngineError(f"drafter {self.drafter!r}: choose one of {', '.join(DRAFTERS)}")
         if self.draft_len is not None and not (0 <= self.draft_len <= 64):
             raise EngineError(f"draft_len must be in [0, 64] (got {self.draft_len!r})")
-        if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)
-                                      or self.seed < 0):
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise EngineError(f"seed must be an integer >= 0 or None (got {self.seed!r})")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise EngineError(f"stop strings must be non-empty strings (got {list(self.stop)!r})")
@@ -182,10 +185,10 @@ class Engine:
                  budget_mb: float | None = None):
         if drafter not in DRAFTERS:
             raise EngineError(f"drafter {drafter!r}: choose one of {', '.join(DRAFTERS)}")
-        for name, v in (("threads", threads), ("context", context)):
-            if (v is not None or name == "threads") and (not isinstance(v, numbers.Integral) or isinstance(v, bool)
-                                                         or v < 1):
-                raise EngineError(f"{name} must be a whole number >= 1 (got {v!r})")
+        if not _is_int(threads) or threads < 1:
+            raise EngineError(f"threads must be a whole number >= 1 (got {threads!r})")
+        if context is not None and (not _is_int(context) or context < 1):
+            raise EngineError(f"context must be a whole number >= 1 (got {context!r})")
         threads, context = int(threads), None if context is None else int(context)
         if verify not in VERIFY_LEVELS:
             raise EngineError(f"verify={verify!r}: choose one of {', '.join(VERIFY_LEVELS)}")

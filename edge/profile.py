@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from .bench import add_workload_args, read_workload
-from .cli import positive_int
+from .cli import int_at_least, positive_int
 
 STEPS = ("latency", "acceptance", "speed", "memory")
 EXTRA_STEPS = ("chat",)  # only when asked: a budgeted edge-chat session (see budget_chat)
@@ -41,14 +41,13 @@ med = statistics.median
 
 
 def _int_list(minimum: int):
-    """argparse type: comma-separated integers, each >= minimum, at least one."""
+    """argparse type: comma-separated whole numbers, each >= minimum, at least one."""
+    one = int_at_least(minimum)
+
     def parse(text: str) -> list[int]:
-        try:
-            vals = [int(x) for x in text.split(",") if x.strip()]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated whole numbers") from None
-        if not vals or min(vals) < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected numbers >= {minimum}")
+        vals = [one(x) for x in text.split(",") if x.strip()]
+        if not vals:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated whole numbers")
         return vals
     return parse
 
