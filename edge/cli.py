@@ -48,6 +48,17 @@ def positive_float(text: str) -> float:
     return x
 
 
+def chat_context_problem(engine) -> str | None:
+    """Why the loaded engine cannot hold a chat at all (its context is shorter than an empty question with the chat
+    template plus one answer token), or None. edge-chat and edge-serve refuse such a --context at start instead of
+    refusing every question."""
+    need = len(engine.encode([{"role": "user", "content": ""}])) + 1
+    if engine.context >= need:
+        return None
+    return (f"--context {engine.context} cannot hold a chat: an empty question is already {need - 1} tokens with "
+            f"the chat template; use at least {need} (default {min(DEFAULT_CONTEXT, engine.manifest.target.max_len)})")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The flags that become `edge.load` keywords (drafter, threads, context, device, budget, calibration,
     simulate), in their own help group; edge-chat and edge-serve both take them."""
@@ -235,6 +246,10 @@ def main(argv=None) -> int:
         engine = edge.load(a.model, drafter=a.drafter, device=a.device, budget_mb=a.budget_mb, threads=a.threads,
                            context=a.context, simulate=a.simulate, calibration=a.calibration)
         load_s = time.perf_counter() - t
+        problem = chat_context_problem(engine)
+        if problem:
+            print(f"edge-chat: error: {problem}", file=sys.stderr)
+            return 2
         if a.prompt is None:
             if a.json:
                 print("edge-chat: error: --json needs --prompt", file=sys.stderr)

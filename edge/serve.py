@@ -561,6 +561,12 @@ def main(argv=None) -> int:
     except (EngineError, ModelDirError, ValueError) as e:
         print(f"edge-serve: error: {e}", file=sys.stderr)
         return 2
+    from .cli import chat_context_problem
+
+    problem = chat_context_problem(engine)
+    if problem:
+        print(f"edge-serve: error: {problem}", file=sys.stderr)
+        return 2
     app = create_app(engine, max_queue=a.max_queue, reuse=not a.no_reuse, default_max_tokens=a.max_tokens)
     url_host = f"[{a.host}]" if ":" in a.host else a.host
     print(f"edge-serve: {engine.manifest.name} (drafter {engine.default_drafter}, context {engine.context}) on "

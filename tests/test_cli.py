@@ -57,6 +57,7 @@ def test_chat_repl_survives_refusals_and_unknown_commands(model):
 @pytest.mark.parametrize("flags,needle", [
     (["--context", "-5"], "--context"), (["--context", "0"], "--context"), (["--threads", "0"], "--threads"),
     (["--budget-mb", "-5", "--plan"], "--budget-mb"), (["--context", "100000"], "exported for"),
+    (["--context", "5"], "--context 5 cannot hold a chat"),
 ])
 def test_chat_bad_engine_flags(model, flags, needle):
     r = _run(["edge.cli", "--model", model, "--prompt", "hi", "--max-tokens", "2", *flags])

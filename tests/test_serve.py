@@ -162,9 +162,7 @@ def test_seeded_sampling_follows_the_request(client, fresh):
 
 def test_stop_string(client, fresh):
     full = fresh(CONV, max_tokens=24).text
-    stop = full[4:7]
-    if len(full) < 8 or not stop.strip():
-        pytest.skip("tiny model's answer too short for a stop string")
+    stop = next(full[i : i + 3] for i in range(4, len(full) - 3) if full[i : i + 3].strip())
     r = client.chat.completions.create(model="tiny", messages=CONV, max_tokens=24, temperature=0, stop=[stop])
     assert r.choices[0].message.content == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
 
@@ -470,3 +468,14 @@ def test_busy_port_is_one_clear_line_before_loading(tiny_dir):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "another --port" in r.stderr, r.stderr
     assert " on http://" not in r.stderr and time.monotonic() - t < 30
+
+
+def test_context_too_small_for_any_chat_is_refused_at_start(tiny_dir):
+    """A --context shorter than an empty question with the chat template would start a server that refuses every
+    request: it is refused at start, with the smallest context that works."""
+    script = Path(sys.executable).with_name("edge-serve")
+    r = subprocess.run([str(script), "--model-dir", str(tiny_dir), "--port", "0", "--context", "5"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "--context 5 cannot hold a chat" in r.stderr and "use at least" in r.stderr, r.stderr
+    assert " on http://" not in r.stderr
