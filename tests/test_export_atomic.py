@@ -183,7 +183,7 @@ def test_drafter_vocab_above_model_vocab_is_clamped(tmp_path, tiny_llama_dir):
                      progress=False)
     (g,) = m.drafters
     width = onnx.load(str(tmp_path / "m" / g.file), load_external_data=False).graph.output[0]
-    assert g.vocab == width.type.tensor_type.shape.dim[-1].dim_value
+    assert g.vocab == width.type.tensor_type.shape.dim[-1].dim_value == m.arch["vocab"] < 1000
 
 
 # ----------------------------------------------------------------------------- a real process, killed

@@ -426,10 +426,15 @@ def test_runtime_probe_needs_no_padding_for_padded_graphs(exported_llama):
     assert gs.min_call == 1
 
 
-def test_call_that_fills_the_cache_exactly(graph_session, sequence):
-    """The pad row's K/V goes to the scratch slot after the last real one: a cache filled to capacity still works."""
+def test_call_that_fills_the_cache_exactly(graph_session, tiny_llama):
+    """The pad row's K/V goes to the scratch slot after the last real one: a cache filled to capacity still works
+    and gives the reference logits (a pad written over the last real slot would not)."""
     ids = np.random.default_rng(5).integers(0, VOCAB, MAX_LEN)
+    graph_session.cache.trim(graph_session.cache.length)
     graph_session.prefill(ids[:-3])
-    out = graph_session.forward(ids[-3:])
+    out = graph_session.forward(ids[-3:]).copy()
     graph_session.cache.append(3)
-    assert graph_session.cache.length == MAX_LEN and np.isfinite(out).all()
+    assert graph_session.cache.length == MAX_LEN
+    np.testing.assert_allclose(out, reference.forward(tiny_llama, ids)[-3:], atol=TOL, rtol=0)
+    graph_session.cache.trim(1)  # the last token again, alone: a 1-row call padded into the scratch slot
+    np.testing.assert_allclose(graph_session.forward(ids[-1:]), out[-1:], atol=TOL, rtol=0)
