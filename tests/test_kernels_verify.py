@@ -75,6 +75,13 @@ def recover_from_target(draft, p, q, rng):
     return len(draft), sample_from(p[len(draft)], rng)
 
 
+def bonus_from_last_draft_row(draft, p, q, rng):
+    """Correct accept/reject, but the bonus token after a fully accepted chain comes from p[K-1], not p[K]."""
+    p = np.array(p)
+    p[len(draft)] = p[len(draft) - 1]
+    return verify_sampling(draft, p, q, rng)
+
+
 def resample_on_mismatch(draft, p, q, rng):
     """Deterministic-drafter bug: on a mismatch draws a fresh token instead of keeping y."""
     for i, x in enumerate(draft):
@@ -195,7 +202,8 @@ def test_verify_sampling_is_reproducible_with_a_seed():
 # ------------------------------------------------------------------ statistical tests
 
 
-@pytest.mark.parametrize("vocab, k, n_tokens", [(6, 1, 1), (8, 3, 1), (5, 2, 2), (4, 4, 2)])
+# (4, 1, 3) and (5, 2, 3): the bonus token after a fully accepted chain falls inside the counted window
+@pytest.mark.parametrize("vocab, k, n_tokens", [(6, 1, 1), (8, 3, 1), (5, 2, 2), (4, 4, 2), (4, 1, 3), (5, 2, 3)])
 def test_chain_sampling_is_lossless(vocab, k, n_tokens):
     P = trigram_table(10 + vocab, vocab)
     Q = trigram_table(20 + vocab, vocab, zeros=2)
@@ -241,6 +249,7 @@ def test_deterministic_drafter_chain_is_lossless(vocab, k):
     [
         pytest.param(lambda P, Q, T: chain_step(P, Q, 2, accept_always), id="accept-always"),
         pytest.param(lambda P, Q, T: chain_step(P, Q, 2, recover_from_target), id="recover-from-p"),
+        pytest.param(lambda P, Q, T: chain_step(P, Q, 1, bonus_from_last_draft_row), id="bonus-from-p[K-1]"),
         pytest.param(
             lambda P, Q, T: lookup_step(P, T, 3, resample_on_mismatch), id="lookup-resample"
         ),

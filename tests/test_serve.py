@@ -110,7 +110,7 @@ def fresh(tiny_dir):
 
 @pytest.fixture
 def client(server):
-    openai = pytest.importorskip("openai")
+    import openai  # in the [test] extra: a broken install fails, never skips
     return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="unused", max_retries=0)
 
 
@@ -442,7 +442,7 @@ def test_cli_has_edge_chat_engine_flags_and_refuses_bad_ones(tiny_dir):
 
 @pytest.mark.slow
 def test_real_model_openai_client_equals_engine():
-    openai = pytest.importorskip("openai")
+    import openai  # in the [test] extra: a broken install fails, never skips
     model_dir = edge.ensure_default_model(progress=False)
     proc, port = _start_server(model_dir, "--max-queue", 2)
     try:
