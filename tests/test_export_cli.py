@@ -228,7 +228,7 @@ def test_reexport_replaces_an_earlier_export(tiny_llama_dir, tmp_path):
 
 def test_default_does_not_take_a_source_and_force_needs_default(run_export_cli, tiny_llama_dir, tmp_path):
     for args, needle in (([tiny_llama_dir, "--default"], "--default"),
-                         (["--default", "-o", tmp_path / "x"], "--default"),
+                         (["--default", "-o", tmp_path / "x", "--force"], "--force"),
                          ([tiny_llama_dir, "-o", tmp_path / "x", "--force"], "--force")):
         r = run_export_cli(*args)
         assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
@@ -258,3 +258,21 @@ def test_cache_from_an_older_graph_builder_is_rebuilt(exported_llama, tiny_llama
     raw["source"]["graph_version"] -= 1
     (d / MANIFEST_NAME).write_text(json.dumps(raw))
     assert not _reusable(d, tiny_llama_dir, tiny_export_options())
+
+
+def test_default_with_out_exports_the_embedded_model_there(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """`edge-export --default -o DIR --precision P` exports the embedded model into DIR (another precision for a
+    device profile, say) and leaves the cache directory alone. The embedded GGUF is stood in for by the tiny
+    checkpoint."""
+    import export.cli as cli
+    from edge.manifest import load_manifest
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(cli, "default_gguf_path", lambda: tiny_llama_dir)
+    out = tmp_path / "smol-fp32"
+    rc = cli.main(["--default", "-o", str(out), "--precision", "fp32", "--drafter-layers", "1", "--drafter-vocab",
+                   "128", "--calib-tokens", "8", "--max-len", "256", "--no-parity", "-q"])
+    assert rc == 0, capsys.readouterr().err
+    m = load_manifest(out)
+    assert m.name == "SmolLM2-135M-Instruct" and m.target.precision == "fp32"
+    assert not (tmp_path / "home").exists()  # the cache was not touched
