@@ -12,7 +12,7 @@ from edge.manifest import ModelDirError, load_manifest
 
 from .checkpoint import CheckpointError, default_gguf_path
 from .graph import GRAPH_VERSION, PRECISIONS
-from .pipeline import DEFAULT_DRAFTER, DEFAULT_PRECISION, ExportOptions, export_model, source_digest
+from .pipeline import DEFAULT_DRAFTER, DEFAULT_PRECISION, ExportOptions, export_lock, export_model, source_digest
 
 
 def _reusable(out: Path, source: Path, opts: ExportOptions) -> bool:
@@ -32,14 +32,16 @@ def export_default(progress: bool = True, force: bool = False, opts: ExportOptio
 
     src, out = default_gguf_path(), default_model_dir()
     opts = opts or ExportOptions(name="SmolLM2-135M-Instruct")
-    if not force and _reusable(out, src, opts):
+    # a second first run (another terminal, an app) waits for the first and then reuses its export
+    with export_lock(out, wait=True, notify=lambda msg: print(f"edge-export: {msg}", file=sys.stderr)):
+        if not force and _reusable(out, src, opts):
+            if progress:
+                print(f"edge-export: {out} is up to date (sha256 verified); reusing it", file=sys.stderr)
+            return load_manifest(out, verify="none")
         if progress:
-            print(f"edge-export: {out} is up to date (sha256 verified); reusing it", file=sys.stderr)
-        return load_manifest(out, verify="none")
-    if progress:
-        print(f"edge-export: building the embedded default SmolLM2-135M-Instruct into {out} (first run only)",
-              file=sys.stderr)
-    return export_model(src, out, opts, progress=progress, cache_dir=True)
+            print(f"edge-export: building the embedded default SmolLM2-135M-Instruct into {out} (first run only)",
+                  file=sys.stderr)
+        return export_model(src, out, opts, progress=progress, cache_dir=True, lock=False)
 
 
 def _positive(text: str) -> int:

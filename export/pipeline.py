@@ -3,10 +3,11 @@ report, manifest.
 
 Atomic by construction: everything is written into `<out>.partial/`, the manifest last, and the directory is renamed
 into place only when complete. An interrupted export leaves at most a `.partial` directory, which never loads and is
-cleared by the next run.
+cleared by the next run. One export at a time writes an OUT: `export_lock` (an advisory lock on `<out>.lock`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shutil
@@ -143,12 +144,64 @@ def _distill_data(target: Path, c, layers: list[int], texts: list[tuple[list[int
     return out
 
 
+@contextlib.contextmanager
+def export_lock(out_dir: str | os.PathLike, wait: bool = False, notify=None):
+    """Hold the right to write OUT (and its `.partial`/`.old`): an advisory `flock` on `<out>.lock`, released when
+    the process ends however it ends, so a crash never leaves it held. Another holder → ValueError, or with `wait`
+    block until it is done (`notify(message)` first). The file is removed while still held; a waiter that then
+    holds the removed file's lock notices (another inode at the path) and locks again. Without `fcntl` (Windows)
+    there is no lock."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    out_dir = Path(os.path.abspath(out_dir))
+    lock = out_dir.with_name(out_dir.name + ".lock")
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not wait:
+                    raise ValueError(f"another edge-export is writing {out_dir} (it holds {lock}); wait for it to "
+                                     "finish, or choose another -o") from None
+                if notify:
+                    notify(f"another edge-export is writing {out_dir}; waiting for it to finish")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # we locked a file its holder removed on release: lock the one at the path now
+    try:
+        yield
+    finally:
+        try:
+            lock.unlink(missing_ok=True)
+        finally:
+            os.close(fd)  # even if an interrupt lands in the unlink: the lock must not outlive this block
+
+
 def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, opts: ExportOptions = ExportOptions(),
                  progress: bool = True, checkpoint: Checkpoint | None = None, via: str = "builder",
-                 cache_dir: bool = False) -> Manifest:
+                 cache_dir: bool = False, lock: bool = True) -> Manifest:
     """via: "builder" (our own graph, export/graph.py) or "optimum" (export/via_optimum.py: other architectures).
     Everything is written into `<out>.partial/` and swapped into place only when complete. `cache_dir`: OUT is
-    edgespec's own cache (the embedded default), replaced even when a damaged export there lost its manifest."""
+    edgespec's own cache (the embedded default), replaced even when a damaged export there lost its manifest.
+    `lock`: take `export_lock` (refused if another export holds it); False when the caller holds it already."""
+    with export_lock(out_dir) if lock else contextlib.nullcontext():
+        return _export_locked(source, out_dir, opts, progress, checkpoint, via, cache_dir)
+
+
+def _export_locked(source, out_dir, opts: ExportOptions, progress: bool, checkpoint: Checkpoint | None, via: str,
+                   cache_dir: bool) -> Manifest:
     out_dir = Path(os.path.abspath(out_dir))  # "." has no name to derive <out>.partial from
     part = out_dir.with_name(out_dir.name + ".partial")
     check_output_dir(source, out_dir, cache_dir)

@@ -106,6 +106,8 @@ def test_cleanup_cut_short_still_restarts_cleanly(tiny_llama_dir, tmp_path, monk
         calls = []
 
         def unlink(*a, **k):
+            if ".partial" not in str(a[0]):  # the lock file beside OUT is not the cleanup's
+                return real(*a, **k)
             calls.append(a)
             if len(calls) == cut:  # ... and its cleanup is interrupted after deleting cut - 1 files
                 raise KeyboardInterrupt
@@ -237,3 +239,104 @@ def test_sigkill_during_reexport_keeps_old(exported_llama, tiny_llama_dir, tmp_p
     shutil.copytree(d, out)
     kill_midway(start_cli(tiny_llama_dir, out), out, marker="target/model.onnx")
     assert load_manifest(out, verify="sha256") == old
+
+
+# ----------------------------------------------------------------------------- one export at a time per OUT
+
+def test_second_export_into_the_same_directory_is_refused_while_one_runs(tiny_llama_dir, tmp_path, run_export_cli):
+    out = tmp_path / "m"
+    with pipeline.export_lock(out):
+        r = run_export_cli(tiny_llama_dir, "-o", out, *CLI_ARGS)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"another edge-export is writing {out}" in r.stderr, r.stderr
+    assert siblings(out) == []  # refused before any work; the lock file left with its holder
+    r = run_export_cli(tiny_llama_dir, "-o", out, *CLI_ARGS)
+    assert r.returncode == 0, r.stderr
+    assert siblings(out) == ["m"]
+
+
+def test_two_exports_started_together_never_clash(tiny_llama_dir, tmp_path):
+    """Two `edge-export SRC -o OUT` at once (two terminals): one builds OUT, the other either finds it busy and says
+    so, or runs after it; never a half-deleted work directory or an `[Errno 17] File exists`."""
+    out = tmp_path / "m"
+    procs = [start_cli(tiny_llama_dir, out) for _ in range(2)]
+    errs = [p.communicate(timeout=240)[1] for p in procs]
+    for p, err in zip(procs, errs):
+        assert p.returncode == 0 or (p.returncode == 2 and "another edge-export is writing" in err), err
+    assert any(p.returncode == 0 for p in procs)
+    load_manifest(out, verify="sha256")
+    assert siblings(out) == ["m"]
+
+
+def test_lock_waiter_gets_it_when_the_holder_releases(tmp_path):
+    """`export_lock(wait=True)` (how a second first run of the embedded default waits for the first) blocks, says
+    so, and gets the lock once the holder releases it (the holder removes the file: the waiter re-locks the new
+    one)."""
+    import threading
+
+    out = tmp_path / "m"
+    got, said = [], []
+
+    def waiter():
+        with pipeline.export_lock(out, wait=True, notify=said.append):
+            got.append(time.monotonic())
+            time.sleep(0.05)
+
+    with pipeline.export_lock(out):
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.3)
+        assert not got and said == [f"another edge-export is writing {out}; waiting for it to finish"]
+        released = time.monotonic()
+    t.join(10)
+    assert got and got[0] >= released
+    assert not out.with_name("m.lock").exists()
+    with pipeline.export_lock(out):  # free again
+        pass
+
+
+def test_lock_is_released_even_if_an_interrupt_hits_its_cleanup(tmp_path, monkeypatch):
+    out = tmp_path / "m"
+    real = os.unlink
+
+    def unlink(path, *a, **k):
+        if str(path).endswith("m.lock"):
+            raise KeyboardInterrupt
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(KeyboardInterrupt):
+        with pipeline.export_lock(out):
+            pass
+    monkeypatch.undo()
+    with pipeline.export_lock(out):  # not still held through a leaked descriptor
+        pass
+
+
+def test_two_first_runs_of_the_default_build_it_once(tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """Two first runs at once (two terminals, or an app and the CLI): the second waits for the first's export of the
+    embedded model and reuses it instead of racing it. The embedded GGUF is stood in for by the tiny checkpoint."""
+    import threading
+
+    import export.cli as cli
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(cli, "default_gguf_path", lambda: tiny_llama_dir)
+    opts = tiny_export_options(name="SmolLM2-135M-Instruct")
+    built, errors = [], []
+
+    def first_run():
+        try:
+            built.append(cli.export_default(progress=True, opts=opts))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(repr(e))
+
+    runs = [threading.Thread(target=first_run) for _ in range(2)]
+    for t in runs:
+        t.start()
+    for t in runs:
+        t.join(240)
+    err = capsys.readouterr().err
+    assert not errors and len(built) == 2, errors
+    assert err.count("building the embedded default") == 1 and "reusing it" in err, err
+    assert built[0].files == built[1].files
