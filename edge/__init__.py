@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -42,6 +43,13 @@ def ensure_default_model(progress: bool = True) -> Path:
             return d
     except ModelDirError:
         pass
+    try:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(d.parent, os.W_OK):
+            raise PermissionError(errno.EACCES, "not writable")
+    except OSError as e:
+        raise ModelDirError(f"cannot write the model cache {d.parent} ({e.strerror or e}): the embedded model is "
+                            "exported there on first use; set EDGESPEC_HOME to a writable directory") from None
     # progress and errors go to stderr; its stdout summary is not ours (edge-chat --json owns stdout)
     r = subprocess.run([sys.executable, "-m", "export.cli", "--default"] + ([] if progress else ["--quiet"]),
                        stdout=subprocess.DEVNULL)

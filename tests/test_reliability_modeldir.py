@@ -149,6 +149,18 @@ def test_default_model_names_its_own_rebuild_command(tmp_path, monkeypatch):
     assert reexport_command(tmp_path / "m", "/src/ck") == f"edge-export /src/ck -o {tmp_path / 'm'}"
 
 
+def test_unwritable_cache_is_one_clear_error_before_any_export(tmp_path, monkeypatch):
+    """EDGESPEC_HOME under a file (or anywhere the cache cannot be created) names the variable to set, instead of
+    an export error followed by advice to re-export."""
+    import subprocess
+
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "afile" / "home"))
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("no export should start"))
+    with pytest.raises(ModelDirError, match="set EDGESPEC_HOME to a writable directory"):
+        edge.ensure_default_model(progress=False)
+
+
 def test_default_model_is_built_in_a_child_and_rebuilt_when_older(exported_llama, tmp_path, monkeypatch):
     """edge.ensure_default_model: a current cache is used as is; a missing one, or one an older graph builder wrote,
     is rebuilt by `python -m export.cli --default` in a child process (its memory never stays in ours); a failed
