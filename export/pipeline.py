@@ -3,14 +3,16 @@ report, manifest.
 
 Atomic by construction: everything is written into `<out>.partial/`, the manifest last, and the directory is renamed
 into place only when complete. An interrupted export leaves at most a `.partial` directory, which never loads and is
-cleared by the next run. One export at a time writes an OUT: `export_lock` (an advisory lock on `<out>.lock`).
+cleared by the next run. One export at a time writes an OUT: `export_lock` (an advisory lock on `.<out>.edge-export.lock`).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import platform
 import shutil
+import stat
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -144,24 +146,41 @@ def _distill_data(target: Path, c, layers: list[int], texts: list[tuple[list[int
     return out
 
 
+def lock_path(out_dir: Path) -> Path:
+    """`export_lock`'s file: hidden beside OUT, with a name no other tool uses (a `uv.lock` or `poetry.lock` beside
+    an OUT named `uv` must never be touched)."""
+    return out_dir.with_name(f".{out_dir.name}.edge-export.lock")
+
+
 @contextlib.contextmanager
 def export_lock(out_dir: str | os.PathLike, wait: bool = False, notify=None):
-    """Hold the right to write OUT (and its `.partial`/`.old`): an advisory `flock` on `<out>.lock`, released when
-    the process ends however it ends, so a crash never leaves it held. Another holder → ValueError, or with `wait`
-    block until it is done (`notify(message)` first). The file is removed while still held; a waiter that then
-    holds the removed file's lock notices (another inode at the path) and locks again. Without `fcntl` (Windows)
-    there is no lock."""
+    """Hold the right to write OUT (and its `.partial`/`.old`): an advisory `flock` on `lock_path(OUT)`, released
+    when the process ends however it ends, so a crash never leaves it held. Another holder → ValueError, or with
+    `wait` block until it is done (`notify(message)` first). The file is removed while still held; a waiter that
+    then holds the removed file's lock notices (another file at the path) and locks again. Without `fcntl`
+    (Windows), or on a file system that cannot lock, there is no lock."""
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not POSIX
         yield
         return
     out_dir = Path(os.path.abspath(out_dir))
-    lock = out_dir.with_name(out_dir.name + ".lock")
-    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock = lock_path(out_dir)
+    if lock.parent.exists() and not lock.parent.is_dir():
+        raise ValueError(f"{lock.parent} is not a directory")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create {lock.parent} ({e.strerror or e})") from None
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a symlink, never anything but a regular file
+            fd = os.open(lock, os.O_RDONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        except OSError as e:
+            raise ValueError(f"cannot open the export lock {lock} ({e.strerror or e}); if no edge-export is running, "
+                             "delete it") from None
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{lock} is not edge-export's lock file; remove it")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -171,8 +190,16 @@ def export_lock(out_dir: str | os.PathLike, wait: bool = False, notify=None):
                 if notify:
                     notify(f"another edge-export is writing {out_dir}; waiting for it to finish")
                 fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+                    raise
+                os.close(fd)  # this file system cannot lock: go on without
+                fd = None
+                break
+            held = os.fstat(fd)
             try:
-                if os.fstat(fd).st_ino == os.stat(lock).st_ino:
+                now = os.stat(lock, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
                     break
             except FileNotFoundError:
                 pass
@@ -180,6 +207,9 @@ def export_lock(out_dir: str | os.PathLike, wait: bool = False, notify=None):
             os.close(fd)
             raise
         os.close(fd)  # we locked a file its holder removed on release: lock the one at the path now
+    if fd is None:
+        yield
+        return
     try:
         yield
     finally:

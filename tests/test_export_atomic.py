@@ -275,22 +275,26 @@ def test_lock_waiter_gets_it_when_the_holder_releases(tmp_path):
     import threading
 
     out = tmp_path / "m"
-    got, said = [], []
+    got, said, waiting = [], [], threading.Event()
+
+    def notify(msg):
+        said.append(msg)
+        waiting.set()
 
     def waiter():
-        with pipeline.export_lock(out, wait=True, notify=said.append):
+        with pipeline.export_lock(out, wait=True, notify=notify):
             got.append(time.monotonic())
             time.sleep(0.05)
 
     with pipeline.export_lock(out):
         t = threading.Thread(target=waiter)
         t.start()
-        time.sleep(0.3)
+        assert waiting.wait(30)
         assert not got and said == [f"another edge-export is writing {out}; waiting for it to finish"]
         released = time.monotonic()
-    t.join(10)
+    t.join(30)
     assert got and got[0] >= released
-    assert not out.with_name("m.lock").exists()
+    assert not pipeline.lock_path(out).exists()
     with pipeline.export_lock(out):  # free again
         pass
 
@@ -300,7 +304,7 @@ def test_lock_is_released_even_if_an_interrupt_hits_its_cleanup(tmp_path, monkey
     real = os.unlink
 
     def unlink(path, *a, **k):
-        if str(path).endswith("m.lock"):
+        if str(path).endswith(".m.edge-export.lock"):
             raise KeyboardInterrupt
         return real(path, *a, **k)
 
@@ -339,4 +343,27 @@ def test_two_first_runs_of_the_default_build_it_once(tiny_llama_dir, tmp_path, m
     err = capsys.readouterr().err
     assert not errors and len(built) == 2, errors
     assert err.count("building the embedded default") == 1 and "reusing it" in err, err
+    assert "waiting for it to finish" in err, err  # the runs overlapped (a build takes seconds)
     assert built[0].files == built[1].files
+
+
+def test_lock_never_touches_other_files_beside_out(tmp_path):
+    """The lock file has a name of its own: a `uv.lock` beside an OUT named `uv` survives; something that is not
+    a regular file at the lock's own path is refused in one line, never followed or deleted."""
+    (tmp_path / "uv.lock").write_text("keep")
+    with pipeline.export_lock(tmp_path / "uv"):
+        assert pipeline.lock_path(tmp_path / "uv").is_file()
+    assert (tmp_path / "uv.lock").read_text() == "keep" and not pipeline.lock_path(tmp_path / "uv").exists()
+    target = tmp_path / "elsewhere"
+    pipeline.lock_path(tmp_path / "a").symlink_to(target)
+    with pytest.raises(ValueError, match="cannot open the export lock"):
+        with pipeline.export_lock(tmp_path / "a"):
+            pass
+    assert not target.exists() and pipeline.lock_path(tmp_path / "a").is_symlink()
+    pipeline.lock_path(tmp_path / "b").mkdir()
+    with pytest.raises(ValueError, match="cannot open the export lock .*Is a directory"):
+        with pipeline.export_lock(tmp_path / "b"):
+            pass
+    with pytest.raises(ValueError, match="is not a directory"):
+        with pipeline.export_lock(tmp_path / "uv.lock" / "m"):
+            pass
