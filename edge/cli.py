@@ -48,15 +48,22 @@ def positive_float(text: str) -> float:
     return x
 
 
-def chat_context_problem(engine) -> str | None:
-    """Why the loaded engine cannot hold a chat at all (its context is shorter than an empty question with the chat
-    template plus one answer token), or None. edge-chat and edge-serve refuse such a --context at start instead of
-    refusing every question."""
-    need = len(engine.encode([{"role": "user", "content": ""}])) + 1
-    if engine.context >= need:
+def messages(prompt: str, system: str | None = None) -> list[dict]:
+    """One question as chat messages, after the --system prompt if there is one."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def chat_context_problem(engine, system: str | None = None) -> str | None:
+    """Why the loaded engine cannot hold a chat at all (its context is shorter than an empty question, with the
+    chat template and the system prompt, plus one answer token), or None. edge-chat and edge-serve refuse such a
+    --context at start instead of refusing every question."""
+    empty = len(engine.encode(messages("", system)))
+    if engine.context > empty:
         return None
-    return (f"--context {engine.context} cannot hold a chat: an empty question is already {need - 1} tokens with "
-            f"the chat template; use at least {need} (default {min(DEFAULT_CONTEXT, engine.manifest.target.max_len)})")
+    with_system = " and the system prompt" if system else ""
+    return (f"--context {engine.context} cannot hold a chat: an empty question is already {empty} tokens with the "
+            f"chat template{with_system}; short exchanges need {empty + 64} or more (default "
+            f"{min(DEFAULT_CONTEXT, engine.manifest.target.max_len)})")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -101,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
     ap.add_argument("--max-tokens", type=int, default=512, help="maximum tokens per answer (default 512)")
     ap.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    ap.add_argument("--system", help="system prompt")
+    ap.add_argument("--system", help="system prompt (for the REPL and --prompt); without it the model's chat "
+                                     "template decides (SmolLM2's adds its own default)")
     ap.add_argument("--overflow", choices=["refuse", "drop_oldest"], default="refuse",
                     help="REPL history beyond the context: refuse the turn (default) or drop the oldest turns")
     ap.add_argument("--plan", action="store_true",
@@ -246,7 +254,7 @@ def main(argv=None) -> int:
         engine = edge.load(a.model, drafter=a.drafter, device=a.device, budget_mb=a.budget_mb, threads=a.threads,
                            context=a.context, simulate=a.simulate, calibration=a.calibration)
         load_s = time.perf_counter() - t
-        problem = chat_context_problem(engine)
+        problem = chat_context_problem(engine, a.system)
         if problem:
             print(f"edge-chat: error: {problem}", file=sys.stderr)
             return 2
@@ -256,12 +264,12 @@ def main(argv=None) -> int:
                 return 2
             return _repl(engine, a)
         if a.json:
-            r = engine.generate(a.prompt, **_params(a), drafter=a.drafter)
+            r = engine.generate(messages(a.prompt, a.system), **_params(a), drafter=a.drafter)
             out = _result_json(r, r.stats)
             out["load_s"] = round(load_s, 2)
             print(json.dumps(out))
         else:
-            for ch in engine.stream(a.prompt, **_params(a), drafter=a.drafter):
+            for ch in engine.stream(messages(a.prompt, a.system), **_params(a), drafter=a.drafter):
                 sys.stdout.write(ch.text)
                 sys.stdout.flush()
             print()

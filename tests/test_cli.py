@@ -65,6 +65,24 @@ def test_chat_bad_engine_flags(model, flags, needle):
     assert needle in r.stderr, r.stderr
 
 
+def test_chat_prompt_uses_the_system_prompt_and_counts_it(model):
+    """--system applies to --prompt as well as to the REPL (it was ignored there), and the start-up context check
+    counts it: a context that holds an empty question alone but not with the system prompt is refused."""
+    import edge
+
+    e = edge.load(model, drafter="none", context=256)
+    system = "you answer in rhymes about rivers and mountains " * 3
+    want = e.generate([{"role": "system", "content": system}, {"role": "user", "content": "hi"}], max_tokens=8)
+    assert want.token_ids != e.generate("hi", max_tokens=8).token_ids  # the system prompt changes the answer
+    r = _run(["edge.cli", "--model", model, "--prompt", "hi", "--system", system, "--json", "--max-tokens", "8",
+              "--drafter", "none", "--context", "256"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["token_ids"] == want.token_ids
+    alone = len(e.encode([{"role": "user", "content": ""}]))
+    r = _run(["edge.cli", "--model", model, "--prompt", "hi", "--system", system, "--context", str(alone + 2)])
+    assert r.returncode == 2 and "with the chat template and the system prompt" in r.stderr, r.stderr
+
+
 def test_chat_on_a_checkpoint_dir_says_export_it_elsewhere(tiny_llama_dir):
     """Pointing --model at a checkpoint suggests exporting it into a new directory, never into itself (an export
     replaces its output directory)."""
