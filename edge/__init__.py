@@ -6,8 +6,8 @@
 """
 from __future__ import annotations
 
-import errno
 import os
+import tempfile
 from pathlib import Path
 
 from .engine import (Chat, Chunk, ContextFull, Engine, EngineBusy, EngineError, GenerationParams, GenerationResult,
@@ -43,10 +43,10 @@ def ensure_default_model(progress: bool = True) -> Path:
             return d
     except ModelDirError:
         pass
-    try:
+    try:  # created, and written to for real (a read-only mount, a directory of another user)
         d.parent.mkdir(parents=True, exist_ok=True)
-        if not os.access(d.parent, os.W_OK):
-            raise PermissionError(errno.EACCES, "not writable")
+        with tempfile.TemporaryFile(dir=d.parent):
+            pass
     except OSError as e:
         raise ModelDirError(f"cannot write the model cache {d.parent} ({e.strerror or e}): the embedded model is "
                             "exported there on first use; set EDGESPEC_HOME to a writable directory") from None

@@ -277,7 +277,8 @@ def _check_profile(profile, manifest) -> None:
     if allowed and t.precision not in allowed:
         raise PlanError(f"device {getattr(profile, 'name', '?')!r} runs {'/'.join(allowed)} weights but "
                         f"{manifest.name} is exported as {t.precision}; re-export with --precision "
-                        f"{allowed[-1]} or choose another --device")
+                        f"{allowed[-1]} (the embedded model: edge-export --default -o DIR --precision {allowed[-1]}, "
+                        "then --model DIR) or choose another --device")
 
 
 def _enumerate(profile, setup: _Setup, context: int, drafters, tree_drafters, max_k, max_nodes,

@@ -223,8 +223,9 @@ def test_plain_decoding_pads_to_the_smallest_bucket():
 
 
 def test_precision_and_context_limits():
-    with pytest.raises(PlanError, match="exported as fp32"):
+    with pytest.raises(PlanError, match="exported as fp32") as e:
         plan(NPU, smollm2_manifest(precision="fp32"), 256, budget_mb=4000)
+    assert "edge-export --default -o DIR --precision" in str(e.value)  # how, for the embedded model
     with pytest.raises(PlanError, match="does not fit 8192 KV positions"):
         plan(None, M, 8192, budget_mb=4000)
     with pytest.raises(PlanError, match="does not fit 1024 KV positions"):

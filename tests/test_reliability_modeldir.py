@@ -159,6 +159,19 @@ def test_unwritable_cache_is_one_clear_error_before_any_export(tmp_path, monkeyp
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("no export should start"))
     with pytest.raises(ModelDirError, match="set EDGESPEC_HOME to a writable directory"):
         edge.ensure_default_model(progress=False)
+    # a directory that exists but cannot be written (a read-only mount; root passes permission checks, so the
+    # file system's refusal is simulated)
+    import errno
+    import tempfile
+
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
+    with pytest.raises(ModelDirError, match=r"\(Read-only file system\): .* set EDGESPEC_HOME"):
+        edge.ensure_default_model(progress=False)
 
 
 def test_default_model_is_built_in_a_child_and_rebuilt_when_older(exported_llama, tmp_path, monkeypatch):
