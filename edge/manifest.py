@@ -13,7 +13,14 @@ from pathlib import Path
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest format this edgespec reads (and writes when an export needs it)
+OLDEST_FORMAT = 1  # format 2 adds GraphEntry.arch (a drafter from its own checkpoint); format 1 exports still load
+
+
+def format_for(graphs) -> int:
+    """The oldest format that describes these graphs, so an export an older edgespec can run is still format 1,
+    and one it cannot (a graph with its own shape, which it would read as the target's) tells it to upgrade."""
+    return 2 if any(g.arch for g in graphs) else OLDEST_FORMAT
 # the graphs export.graph writes: bumped whenever they change, so a cached export from an older builder is rebuilt
 # (2: the pad query row; 3: block-quantized embedding rows; 4: the default export became w8a8)
 GRAPH_VERSION = 4
@@ -57,6 +64,7 @@ class GraphEntry:
     tree_capable: bool = True
     io: str = "edgespec"  # graph interface: "edgespec" (export/graph.py) | "optimum" (edge-export --via optimum)
     id_map: str | None = None  # .npy: drafter logit index → target token id (trimmed vocabulary)
+    arch: dict | None = None  # the graph's own shape when it is not the target's (a drafter from its own checkpoint)
     weight_bytes: int = 0  # onnx + external data on disk
     stats: dict = field(default_factory=dict)  # agreement / latency measured at export time
 
@@ -93,9 +101,14 @@ class Manifest:
     def drafters(self) -> list[GraphEntry]:
         return [g for g in self.graphs if g.role == "drafter"]
 
+    def arch_of(self, graph: GraphEntry) -> dict:
+        """A graph's shape: its own (a drafter exported from a separate checkpoint), else the target's."""
+        return graph.arch or self.arch
+
     def kv_bytes_per_token(self, graph: GraphEntry) -> int:
         elem = 2 if graph.kv_dtype == "float16" else 4
-        return 2 * graph.layers * self.arch["kv_heads"] * self.arch["head_dim"] * elem
+        a = self.arch_of(graph)
+        return 2 * graph.layers * a["kv_heads"] * a["head_dim"] * elem
 
     # ---------------------------------------------------------------- I/O
     def to_json(self) -> str:
@@ -179,10 +192,10 @@ def load_manifest(model_dir: str | os.PathLike, verify: str = "size") -> Manifes
     src = raw.get("source", {}).get("path") if isinstance(raw, dict) and isinstance(raw.get("source"), dict) else None
     fix = f"re-run edge-export: {reexport_command(model_dir, src)}"
     version = raw.get("format_version") if isinstance(raw, dict) else None
-    if version != FORMAT_VERSION:
+    if not (isinstance(version, int) and not isinstance(version, bool) and OLDEST_FORMAT <= version <= FORMAT_VERSION):
         newer = isinstance(version, int) and version > FORMAT_VERSION
         raise ModelDirError(
-            f"{path}: manifest format {version} but this edgespec reads format {FORMAT_VERSION}; "
+            f"{path}: manifest format {version} but this edgespec reads formats {OLDEST_FORMAT}-{FORMAT_VERSION}; "
             + ("upgrade edgespec (pip install -U edgespec)" if newer else f"re-export the model with this edgespec: "
                                                                            f"{reexport_command(model_dir, src)}")
         )

@@ -37,7 +37,7 @@ class GraphSession:
 
         self.ort = ort
         self.sess = ort.InferenceSession(path, session_options(threads), providers=list(providers))
-        a = manifest.arch
+        a = manifest.arch_of(graph)
         self.layers, self.vocab = graph.layers, graph.vocab
         dtype = np.float16 if graph.kv_dtype == "float16" else np.float32
         if capacity > graph.max_len:

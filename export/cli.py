@@ -22,8 +22,7 @@ def _reusable(out: Path, source: Path, opts: ExportOptions) -> bool:
         m = load_manifest(out, verify="sha256")
     except ModelDirError:
         return False
-    want = {**asdict(opts), "drafters": [list(d) for d in opts.drafters]}
-    return (m.source.get("sha256") == source_digest(source) and m.source.get("options") == want
+    return (m.source.get("sha256") == source_digest(source) and m.source.get("options") == opts.recorded()
             and m.source.get("graph_version") == GRAPH_VERSION)
 
 
@@ -85,6 +84,10 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"early-exit drafter depth(s) in layers (default {DEFAULT_DRAFTER[0]}; none: no drafter)")
     ap.add_argument("--drafter-vocab", type=int, nargs="*", default=[DEFAULT_DRAFTER[1]],
                     help=f"trimmed drafter vocabulary size(s) (default {DEFAULT_DRAFTER[1]}; 0 = full)")
+    ap.add_argument("--drafter-checkpoint", nargs="+", default=[], metavar="PATH",
+                    help="also export a separate small checkpoint (HF directory or .gguf of the same model family: "
+                         "the same tokenizer) as a drafter, whole, its LM head trimmed to each --drafter-vocab size; "
+                         "used by --drafter model")
     ap.add_argument("--calib-tokens", type=int, default=64,
                     help="tokens the target generates per calibration prompt for vocabulary ranking (default 64)")
     ap.add_argument("--via", choices=["builder", "optimum"], default="builder",
@@ -112,10 +115,13 @@ def main(argv=None) -> int:
     if a.drafter_layers is None:  # the builder's early-exit drafter; the optimum path builds none
         a.drafter_layers = [] if a.via == "optimum" else [DEFAULT_DRAFTER[0]]
     drafters = tuple((l, v) for l in (a.drafter_layers or []) for v in (a.drafter_vocab or [0]))
+    drafter_cks = tuple((p, v) for p in a.drafter_checkpoint for v in (a.drafter_vocab or [0]))
     if a.default and a.source:
         _parser().error("--default is the embedded model's GGUF: drop SOURCE (or --default)")
     if a.force and (not a.default or a.out):
         _parser().error("--force is for --default into the cache directory (an export with -o OUT always rebuilds)")
+    if a.drafter_checkpoint and a.via == "optimum":
+        _parser().error("--drafter-checkpoint needs edgespec's own graph builder (--via builder)")
     if a.default and a.via == "optimum":
         _parser().error("--default is built by edgespec's own graph builder; --via optimum is for other checkpoints")
     if a.precision is None:  # optimum's graphs go through ORT's MatMulNBits quantizer: no w8a8 there
@@ -123,6 +129,7 @@ def main(argv=None) -> int:
     try:
         opts = ExportOptions(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
                              lm_head_bits=a.lm_head_bits, max_len=a.max_len, drafters=drafters,
+                             drafter_checkpoints=drafter_cks,
                              calib_new_tokens=a.calib_tokens, parity=not a.no_parity, threads=a.threads)
         if a.default and a.out:  # the embedded model, exported elsewhere (another precision, say)
             m = export_model(default_gguf_path(), Path(a.out),

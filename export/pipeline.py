@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.manifest import (FORMAT_VERSION, MANIFEST_NAME, OLD_MARKER, PARTIAL_MARKER, FileEntry, GraphEntry, Manifest,
+from edge.manifest import (MANIFEST_NAME, OLD_MARKER, PARTIAL_MARKER, FileEntry, GraphEntry, Manifest, format_for,
                            sha256_file)
 from edge.text import TextCodec
 
@@ -50,12 +50,24 @@ class ExportOptions:
     lm_head_bits: int | None = None
     max_len: int = 8192  # KV capacity (capped by the model's own max positions)
     drafters: tuple[tuple[int, int], ...] = (DEFAULT_DRAFTER,)  # (layers, vocab); vocab 0 = full
+    # separate small checkpoints (HF dir or .gguf) sharing the target's tokenizer, each exported whole with its LM
+    # head trimmed to the target's most frequent tokens: (path, vocab); vocab 0 = full
+    drafter_checkpoints: tuple[tuple[str, int], ...] = ()
     calib_new_tokens: int = 64
     distill: bool = True  # fit each early-exit drafter's residual-stream correction on the calibration text
     parity: bool = True
     threads: int = 2
     name: str | None = None
     extra: dict = field(default_factory=dict)
+
+    def recorded(self) -> dict:
+        """The options as the manifest records them (JSON lists; the checkpoint list only when there is one, so
+        exports from before it existed still compare equal)."""
+        d = {**asdict(self), "drafters": [list(x) for x in self.drafters],
+             "drafter_checkpoints": [list(x) for x in self.drafter_checkpoints]}
+        if not self.drafter_checkpoints:
+            del d["drafter_checkpoints"]
+        return d
 
     def graph_options(self, max_len: int, layers: int | None = None) -> GraphOptions:
         return GraphOptions(precision=self.precision, block_size=self.block_size, accuracy_level=self.accuracy_level,
@@ -144,6 +156,64 @@ def _distill_data(target: Path, c, layers: list[int], texts: list[tuple[list[int
         out["teacher"].append(top)
         out["scored"].append(_generated(len(ids), len(ids) + len(gen)))
     return out
+
+
+def _same_vocabulary(a: Path, b: Path) -> bool:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(a)).get_vocab(with_added_tokens=True) == \
+        Tokenizer.from_file(str(b)).get_vocab(with_added_tokens=True)
+
+
+def _check_drafter_checkpoint(path: Path, dck: Checkpoint, target_tokenizer: Path, max_len: int) -> None:
+    """A separate drafter must share the target's tokenizer (same token → id map: a drafted id means the same text
+    to both) and cover the export's context."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer(dck, Path(tmp))
+        if not _same_vocabulary(Path(tmp) / "tokenizer.json", target_tokenizer):
+            raise ValueError(f"drafter checkpoint {path}: its tokenizer differs from the target's (another token → "
+                             "id map), so its drafts would mean other text; give a drafter of the same model family")
+    if dck.config.max_positions < max_len:
+        raise ValueError(f"drafter checkpoint {path}: {dck.config.max_positions} positions, but the target is "
+                         f"exported for {max_len}; export with --max-len {dck.config.max_positions} or less")
+
+
+def _checkpoint_drafter(path: Path, dck: Checkpoint, k: int, part: Path, opts: ExportOptions, c, ranked: np.ndarray,
+                        max_len: int, target_ms: float, target: GraphEntry, held: list, steps: "_Steps") -> GraphEntry:
+    """A separate small checkpoint as a drafter (checked by `_check_drafter_checkpoint`): all its layers, the
+    target's precision, its LM head trimmed to the target's k most frequent tokens; its own shape goes into the
+    manifest entry (`GraphEntry.arch`)."""
+    steps.start(f"drafter checkpoint {path.name}")
+    dc = dck.config
+    usable = min(dc.vocab, c.vocab)  # embedding rows beyond the tokenizer's tokens are padding in one of them
+    ids = ranked[ranked < usable] if k else np.arange(usable)
+    ids_kept = np.sort(ids[: k or usable]).astype(np.int64)
+    stem = "".join(ch if ch.isalnum() else "-" for ch in (path.stem if path.is_file() else path.name).lower())
+    name = f"draft-{stem.strip('-') or 'model'}-v{len(ids_kept)}"
+    (part / name).mkdir()
+    np.save(part / name / "id_map.npy", ids_kept)
+    graph = part / name / "model.onnx"
+    head_ids = ids_kept if len(ids_kept) < dc.vocab else None
+    save_model(build_graph(dck, opts.graph_options(max_len), head_ids), str(graph))
+    steps.done()
+    steps.start(f"drafter checkpoint {path.name}: agreement")
+    agree = _agreement(graph, dc.layers, dc, opts.threads, ids_kept, held)
+    dr = GraphRunner(str(graph), dc.layers, dc.kv_heads, dc.head_dim, opts.threads)
+    ms = dr.latency_ms(1, past=min(128, max_len - 1))
+    del dr
+    steps.done()
+    scored = int(sum(np.asarray(tgt)[m].size for _, tgt, m in held))
+    stats = {"top1_agreement": agree, "top1_agreement_raw": agree, "held_out_positions": scored,
+             "latency_ms_s1": round(ms, 3), "latency_vs_target": round(ms / target_ms, 3),
+             "checkpoint": {"path": str(path.resolve()), "sha256": source_digest(path)}}
+    return GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=dc.layers, vocab=len(ids_kept),
+                      precision=opts.precision, block_size=opts.block_size, accuracy_level=target.accuracy_level,
+                      lm_head_bits=target.lm_head_bits,
+                      embedding_bits=opts.graph_options(max_len).embedding_bits(dc.hidden),
+                      max_len=max_len, id_map=f"{name}/id_map.npy", arch=dc.to_dict(),
+                      stats=stats)
 
 
 def lock_path(out_dir: Path) -> Path:
@@ -246,7 +316,8 @@ def _export_locked(source, out_dir, opts: ExportOptions, progress: bool, checkpo
         build = lambda: export_via_optimum(source, part, opts, steps)  # noqa: E731
     else:
         distilling = opts.distill and bool(opts.drafters)
-        steps = _Steps(6 + (3 if distilling else 2) * len(opts.drafters) + distilling, progress)
+        steps = _Steps(6 + (3 if distilling else 2) * len(opts.drafters) + distilling
+                       + 2 * len(opts.drafter_checkpoints), progress)
         build = lambda: _build(source, part, opts, steps, checkpoint)  # noqa: E731
     try:
         m = build()
@@ -270,11 +341,14 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     bad = [n for n, _ in opts.drafters if not 1 <= n <= c.layers]
     if bad:  # before the long steps (and the distillation probe, which reads layer n's output)
         raise ValueError(f"drafter layers={bad[0]}: the model has {c.layers}")
+    separate = {p: load_checkpoint(p) for p, _ in opts.drafter_checkpoints}  # each once, whatever its vocab sizes
     steps.done()
 
     steps.start("tokenizer")
     tf = write_tokenizer(ck, part)
     codec = TextCodec(part / "tokenizer.json", tf.chat_template, tf.bos, tf.eos)
+    for p, dck in separate.items():  # refused before the long steps, like bad layer counts
+        _check_drafter_checkpoint(Path(p), dck, part / "tokenizer.json", min(opts.max_len, c.max_positions))
     steps.done()
 
     steps.start(f"target graph ({opts.precision})")
@@ -382,6 +456,11 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
                                  embedding_bits=graphs[0].embedding_bits,
                                  max_len=max_len, id_map=f"{name}/id_map.npy", stats=stats))
 
+    for path, k in opts.drafter_checkpoints:
+        graphs.append(_checkpoint_drafter(Path(path), separate[path], k, part, opts, c, ranked, max_len,
+                                          target_ms[0], graphs[0], list(zip(held_text, held_target, held_scored)),
+                                          steps))
+
     steps.start("manifest")
     files = []
     for f in sorted(part.rglob("*")):
@@ -393,7 +472,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
               for g in graphs]
     report["export_seconds"] = round(time.time() - t0, 1)
     m = Manifest(
-        format_version=FORMAT_VERSION,
+        format_version=format_for(graphs),
         name=opts.name or Path(ck.source).stem,
         arch=c.to_dict(),
         graphs=tuple(graphs),
@@ -402,7 +481,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
         chat_template=tf.chat_template,
         special_tokens={"bos": tf.bos, "eos": list(tf.eos), "pad": tf.pad},
         source={"path": str(Path(ck.source).resolve()), "format": ck.source_format,
-                "sha256": source_digest(ck.source), "options": {**asdict(opts), "drafters": [list(d) for d in opts.drafters]},
+                "sha256": source_digest(ck.source), "options": opts.recorded(),
                 "graph_version": GRAPH_VERSION},
         converter=_versions(),
         parity=report,

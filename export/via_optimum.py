@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge.manifest import FORMAT_VERSION, PARTIAL_MARKER, FileEntry, GraphEntry, Manifest, sha256_file
+from edge.manifest import PARTIAL_MARKER, FileEntry, GraphEntry, Manifest, format_for, sha256_file
 from edge.text import TextCodec
 
 from . import calibration
@@ -241,7 +241,7 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
     from importlib.metadata import version
 
     m = Manifest(
-        format_version=FORMAT_VERSION, name=opts.name or src.name, arch=arch, graphs=(graph,), files=tuple(files),
+        format_version=format_for((graph,)), name=opts.name or src.name, arch=arch, graphs=(graph,), files=tuple(files),
         tokenizer="tokenizer.json", chat_template=tf.chat_template,
         special_tokens={"bos": tf.bos, "eos": list(tf.eos), "pad": tf.pad},
         source={"path": str(src.resolve()), "format": "hf", "sha256": source_digest(src), "via": "optimum",

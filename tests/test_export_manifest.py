@@ -33,7 +33,7 @@ def edit_manifest(d, **changes):
 def test_manifest_contents(exported_llama, tiny_llama_dir):
     d, m = exported_llama
     a = m.arch
-    assert m.format_version == FORMAT_VERSION
+    assert m.format_version == 1 < FORMAT_VERSION  # nothing format 2 adds: older edgespec versions can load it
     assert (a["layers"], a["heads"], a["kv_heads"], a["head_dim"], a["hidden"], a["vocab"]) == (3, 4, 2, 16, 64, VOCAB)
     assert [g.role for g in m.graphs] == ["target", "drafter"]
     t = m.target
