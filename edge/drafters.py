@@ -143,8 +143,11 @@ class ModelDrafter:
     name = "model"
 
     def __init__(self, session, id_map: np.ndarray, target_vocab: int, threshold: float = 0.0,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, rng=None):
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, rng=None, input_vocab: int | None = None):
         self.sess = session
+        # a drafter from its own checkpoint may have fewer embedding rows than the target has logits (padding
+        # rows): such an id, if the target ever commits one, is fed as id 0 (the target verifies every draft)
+        self.input_vocab = input_vocab
         self.id_map = np.asarray(id_map, np.int64)
         self.target_vocab = target_vocab
         self.threshold = threshold
@@ -167,10 +170,14 @@ class ModelDrafter:
         # bulk-feed all but the last few pending tokens now, so draft() calls stay short
         if len(self.pending) > 1:
             bulk = self.pending[:-1]
-            self.sess.prefill(bulk)
+            self.sess.prefill(self._inputs(bulk))
             self.cached += bulk
             self.pending = self.pending[-1:]
         self.drafted = []
+
+    def _inputs(self, ids: list[int]) -> list[int]:
+        n = self.input_vocab
+        return ids if n is None else [t if t < n else 0 for t in ids]
 
     def _dist(self, logits: np.ndarray):
         """→ (token id in the target vocabulary, confidence, q over the target vocabulary or None)."""
@@ -194,7 +201,7 @@ class ModelDrafter:
         budget = min(budget, max(0, self.sess.cache.room() - len(feed) - 1))
         self.fed = 0  # drafted tokens that went into the drafter cache
         for k in range(budget):
-            logits = self.sess.forward(feed, keep=1)[-1]
+            logits = self.sess.forward(self._inputs(feed), keep=1)[-1]
             self.sess.cache.append(len(feed))
             self.cached += feed
             if k > 0:

@@ -217,6 +217,7 @@ class Engine:
         # fed by every target call; persists across turns. Trees only where the graph verifies them exactly.
         self.recycling = RecyclingDrafter(m.arch["vocab"], chains_only=not self.target.tree_exact)
         self._drafter_sess = None
+        self._drafter_graph = None  # which drafter graph the session runs
         self._id_map = None
         self._lock = threading.Lock()
         self.default_drafter = self._resolve(drafter)
@@ -364,16 +365,23 @@ class Engine:
         return "hybrid" if self.target.topk else "lookup"
 
     def _model_drafter(self, p: GenerationParams, rng) -> ModelDrafter:
-        if self._drafter_sess is None:
-            g = max(self.manifest.drafters, key=lambda g: g.stats.get("top1_agreement", 0))
+        from memory.footprint import drafter_graph
+
+        # the memory plan's drafter graph when there is a plan (its budget is for that graph), else the best one
+        want = self.plan.draft_graph if self.plan is not None and self.plan.drafter == "model" else None
+        g = drafter_graph(self.manifest, want)
+        if self._drafter_sess is None or self._drafter_graph != g.name:
+            self._drafter_sess = None  # one drafter session at a time
             self._drafter_sess = GraphSession(str(self.model_dir / g.file), self.manifest, g, self.context,
                                               self.threads, self.providers)
+            self._drafter_graph = g.name
             self._id_map = np.load(self.model_dir / g.id_map) if g.id_map else np.arange(g.vocab)
             if self._id_map.max() >= self.manifest.arch["vocab"] or self._id_map.min() < 0:
                 raise ModelDirError(f"{self.model_dir / g.id_map}: ids outside the target vocabulary; re-export")
             self._drafter_cached: list[int] = []
         d = ModelDrafter(self._drafter_sess, self._id_map, self.manifest.arch["vocab"], threshold=0.0,
-                         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, rng=rng)
+                         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, rng=rng,
+                         input_vocab=self.manifest.arch_of(g)["vocab"])
         d.cached = self._drafter_cached  # shared list: the drafter cache outlives one request
         return d
 

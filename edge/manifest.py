@@ -222,6 +222,13 @@ def check_drafter(model_dir: str | os.PathLike, m: Manifest, g: GraphEntry) -> N
     fit the target's vocabulary. Checked at load time, before the drafter's session is ever built."""
     model_dir = Path(model_dir)
     fix = f"re-run edge-export: {reexport_command(model_dir, m.source.get('path'))}"
+    if g.arch is not None:  # a drafter from its own checkpoint: its shape sizes the session's KV buffers
+        a = g.arch
+        bad = not isinstance(a, dict) or not all(
+            isinstance(a.get(k), int) and not isinstance(a.get(k), bool) and a.get(k) > 0
+            for k in ("hidden", "layers", "kv_heads", "head_dim", "vocab"))
+        if bad or a["layers"] < g.layers:
+            raise ModelDirError(f"{model_dir / MANIFEST_NAME}: drafter {g.name!r} has a malformed shape ({a!r}); {fix}")
     vocab = m.arch.get("vocab")
     if not 0 < g.vocab <= vocab:
         raise ModelDirError(f"{model_dir / g.file}: drafter {g.name!r} has a {g.vocab}-token vocabulary but the target "

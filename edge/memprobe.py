@@ -78,7 +78,7 @@ def measure(model_dir: str, context: int, k: int, drafter: str = "lookup", decod
     widest = max(engine._call_ms, default=1)  # widths of the decode calls actually made
     m = engine.manifest
     cal = Calibration.from_dict((calibration or {}).get("memory"), "cpu")
-    spec = Speculation(kind, k, draft_graph=m.drafters[0].name if kind == "model" else None)
+    spec = Speculation(kind, k)  # drafter "model": the graph the engine runs (memory.footprint.drafter_graph)
     pred = predict_peak(m, spec, max(1, engine.target.cache.length), cal, min_call=engine.target.min_call,
                         capacity=capacity)
     return {"context": context, "k": k, "drafter": kind, "decode": decode, "capacity": capacity,

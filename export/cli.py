@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -22,7 +23,10 @@ def _reusable(out: Path, source: Path, opts: ExportOptions) -> bool:
         m = load_manifest(out, verify="sha256")
     except ModelDirError:
         return False
+    same_drafters = all(source_digest(c["path"]) == c["sha256"] if Path(c["path"]).exists() else False
+                        for c in (g.stats.get("checkpoint") for g in m.drafters) if c)
     return (m.source.get("sha256") == source_digest(source) and m.source.get("options") == opts.recorded()
+            and same_drafters
             and m.source.get("graph_version") == GRAPH_VERSION)
 
 
@@ -115,7 +119,7 @@ def main(argv=None) -> int:
     if a.drafter_layers is None:  # the builder's early-exit drafter; the optimum path builds none
         a.drafter_layers = [] if a.via == "optimum" else [DEFAULT_DRAFTER[0]]
     drafters = tuple((l, v) for l in (a.drafter_layers or []) for v in (a.drafter_vocab or [0]))
-    drafter_cks = tuple((p, v) for p in a.drafter_checkpoint for v in (a.drafter_vocab or [0]))
+    drafter_cks = tuple((os.path.abspath(p), v) for p in a.drafter_checkpoint for v in (a.drafter_vocab or [0]))
     if a.default and a.source:
         _parser().error("--default is the embedded model's GGUF: drop SOURCE (or --default)")
     if a.force and (not a.default or a.out):

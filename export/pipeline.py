@@ -64,7 +64,7 @@ class ExportOptions:
         """The options as the manifest records them (JSON lists; the checkpoint list only when there is one, so
         exports from before it existed still compare equal)."""
         d = {**asdict(self), "drafters": [list(x) for x in self.drafters],
-             "drafter_checkpoints": [list(x) for x in self.drafter_checkpoints]}
+             "drafter_checkpoints": [[str(p), k] for p, k in self.drafter_checkpoints]}
         if not self.drafter_checkpoints:
             del d["drafter_checkpoints"]
         return d
@@ -140,7 +140,9 @@ def _generated(prompt_len: int, text_len: int) -> np.ndarray:
 def _agreement(path: Path, layers: int, c, threads: int, ids_kept: np.ndarray, held: list) -> float:
     """Drafter top-1 == target top-1 over the scored held-out positions; held: (text, target top-1 [S], scored [S])."""
     dr = GraphRunner(str(path), layers, c.kv_heads, c.head_dim, threads)
-    agree = np.concatenate([(ids_kept[dr.logits(t).argmax(-1)] == tgt)[m] for t, tgt, m in held])
+    # a target id beyond the drafter's embedding rows (a padding row) is read as id 0, as at runtime
+    agree = np.concatenate([(ids_kept[dr.logits(np.where(np.asarray(t) < c.vocab, t, 0)).argmax(-1)] == tgt)[m]
+                            for t, tgt, m in held])
     return round(float(agree.mean()), 4) if agree.size else 0.0
 
 
@@ -165,10 +167,25 @@ def _same_vocabulary(a: Path, b: Path) -> bool:
         Tokenizer.from_file(str(b)).get_vocab(with_added_tokens=True)
 
 
+def _check_head_dim(c, what: str, instead: str) -> None:
+    """ONNX Runtime's CPU GroupQueryAttention (our graph's attention) runs head dims that are multiples of 16 only;
+    say so before the long steps instead of failing in the first call after them."""
+    if c.head_dim % 16:
+        raise ValueError(f"{what}: head dim {c.head_dim} is not a multiple of 16, which ONNX Runtime's "
+                         f"GroupQueryAttention needs; {instead}")
+
+
 def _check_drafter_checkpoint(path: Path, dck: Checkpoint, target_tokenizer: Path, max_len: int) -> None:
     """A separate drafter must share the target's tokenizer (same token → id map: a drafted id means the same text
-    to both) and cover the export's context."""
+    to both), embed every token of it, run in our graph and cover the export's context."""
     import tempfile
+    from tokenizers import Tokenizer
+
+    _check_head_dim(dck.config, f"drafter checkpoint {path}", "choose another drafter")
+    tokens = Tokenizer.from_file(str(target_tokenizer)).get_vocab_size(with_added_tokens=True)
+    if dck.config.vocab < tokens:
+        raise ValueError(f"drafter checkpoint {path}: {dck.config.vocab} embedding rows but the tokenizer has "
+                         f"{tokens} tokens; it cannot read every token the target writes")
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tokenizer(dck, Path(tmp))
@@ -190,8 +207,13 @@ def _checkpoint_drafter(path: Path, dck: Checkpoint, k: int, part: Path, opts: E
     usable = min(dc.vocab, c.vocab)  # embedding rows beyond the tokenizer's tokens are padding in one of them
     ids = ranked[ranked < usable] if k else np.arange(usable)
     ids_kept = np.sort(ids[: k or usable]).astype(np.int64)
-    stem = "".join(ch if ch.isalnum() else "-" for ch in (path.stem if path.is_file() else path.name).lower())
-    name = f"draft-{stem.strip('-') or 'model'}-v{len(ids_kept)}"
+    src = Path(dck.source)  # a directory holding one .gguf loads as that file
+    stem = "".join(ch if ch.isalnum() else "-" for ch in (src.stem if src.is_file() else src.name).lower())
+    name = base = f"draft-{stem.strip('-') or 'model'}-v{len(ids_kept)}"
+    n = 1
+    while (part / name).exists():  # two checkpoints with one name (ck/model.gguf, ck2/model.gguf)
+        n += 1
+        name = f"{base}-{n}"
     (part / name).mkdir()
     np.save(part / name / "id_map.npy", ids_kept)
     graph = part / name / "model.onnx"
@@ -207,7 +229,7 @@ def _checkpoint_drafter(path: Path, dck: Checkpoint, k: int, part: Path, opts: E
     scored = int(sum(np.asarray(tgt)[m].size for _, tgt, m in held))
     stats = {"top1_agreement": agree, "top1_agreement_raw": agree, "held_out_positions": scored,
              "latency_ms_s1": round(ms, 3), "latency_vs_target": round(ms / target_ms, 3),
-             "checkpoint": {"path": str(path.resolve()), "sha256": source_digest(path)}}
+             "checkpoint": {"path": str(src.resolve()), "sha256": source_digest(src)}}
     return GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=dc.layers, vocab=len(ids_kept),
                       precision=opts.precision, block_size=opts.block_size, accuracy_level=target.accuracy_level,
                       lm_head_bits=target.lm_head_bits,
@@ -341,6 +363,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     bad = [n for n, _ in opts.drafters if not 1 <= n <= c.layers]
     if bad:  # before the long steps (and the distillation probe, which reads layer n's output)
         raise ValueError(f"drafter layers={bad[0]}: the model has {c.layers}")
+    _check_head_dim(c, str(source), "--via optimum exports it")
     separate = {p: load_checkpoint(p) for p, _ in opts.drafter_checkpoints}  # each once, whatever its vocab sizes
     steps.done()
 
@@ -456,7 +479,13 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
                                  embedding_bits=graphs[0].embedding_bits,
                                  max_len=max_len, id_map=f"{name}/id_map.npy", stats=stats))
 
+    built = set()
     for path, k in opts.drafter_checkpoints:
+        usable = min(separate[path].config.vocab, c.vocab)
+        key = (str(Path(separate[path].source).resolve()), min(k or usable, usable))
+        if key in built:  # the same checkpoint at the same effective vocabulary (e.g. --drafter-vocab 0 and its size)
+            continue
+        built.add(key)
         graphs.append(_checkpoint_drafter(Path(path), separate[path], k, part, opts, c, ranked, max_len,
                                           target_ms[0], graphs[0], list(zip(held_text, held_target, held_scored)),
                                           steps))

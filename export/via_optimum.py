@@ -163,6 +163,8 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
     if opts.drafters:
         raise ValueError("--via optimum builds no early-exit drafter (lookup, recycling and hybrid drafting still "
                          "work); pass --drafter-layers with no value")
+    if opts.drafter_checkpoints:
+        raise ValueError("--drafter-checkpoint needs edgespec's own graph builder (--via builder)")
     t0 = time.time()
     steps.start("loading checkpoint")
     cfg = read_hf_config(src)

@@ -274,7 +274,7 @@ class Speculation:
     """The memory-relevant part of a plan: which drafter and how many draft tokens each verify call carries."""
     drafter: str = "none"  # none | lookup | recycling | hybrid | model
     nodes: int = 0  # draft tokens per verify call (chain length K or tree node budget N; the root not counted)
-    draft_graph: str | None = None  # drafter "model": the manifest graph (default: the first drafter graph)
+    draft_graph: str | None = None  # drafter "model": the manifest graph (default: `drafter_graph`'s choice)
     draft_width: int = 1  # rows of the widest drafter call (1 when drafting a chain token by token)
     recycling_k: int = RECYCLING_K  # successors per token kept by Token Recycling
     verify_topk: int = 0  # > 0: an on-graph top-k kernel returns ids + probs [S, k] instead of logits [S, V]
@@ -363,12 +363,14 @@ def arena_bytes(calib: Calibration, hidden: int, vocab: int, rows: int, kept: in
                  + calib.act_bytes_per_row_vocab * kept * vocab + calib.attn_bytes_per_row_token * rows * span)
 
 
-def _graph(manifest, name: str | None):
+def drafter_graph(manifest, name: str | None = None):
+    """The drafter graph `name`, or without a name the one `--drafter model` runs: the best measured top-1
+    agreement with the target (the first such graph on a tie)."""
     drafters = manifest.drafters
     if not drafters:
         raise ValueError(f"{manifest.name}: no drafter graph in the manifest (drafter 'model' needs one)")
     if name is None:
-        return drafters[0]
+        return max(drafters, key=lambda g: (g.stats or {}).get("top1_agreement", 0))
     for g in drafters:
         if g.name == name:
             return g
@@ -422,7 +424,7 @@ def predict_peak(manifest, plan, context: int, calib: Calibration | None = None,
         tparts[3] = ("target.logits", rows * spec.verify_topk * 12 + target.vocab * 4)
     parts += tparts
     if spec.drafter == "model":
-        g = _graph(manifest, spec.draft_graph)
+        g = drafter_graph(manifest, spec.draft_graph)
         width = max(spec.draft_width, min_call)
         # the drafter's cache also holds the draft tokens it fed itself before verification
         dslots = max(capacity or 0, context + spec.nodes + 1)

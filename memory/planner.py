@@ -21,8 +21,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .acceptance import AcceptanceStats, TreeShape
-from .footprint import (DRAFTERS, MB, PREFILL_CHUNK, Calibration, Footprint, Speculation, _graph,
-                        predict_peak)
+from .footprint import (DRAFTERS, MB, PREFILL_CHUNK, Calibration, Footprint, Speculation, drafter_graph,
+                        graph_weight_bytes, predict_peak)
 
 # Verify-call latency relative to one token, measured on the embedded SmolLM2-135M int4 export on this host
 # (t(8) ≈ 1.7·t(1), t(16) ≈ 2.2·t(1), t(1) ≈ 9 ms). Beyond the last point a call is taken as compute-bound
@@ -330,8 +330,8 @@ def _enumerate(profile, setup: _Setup, context: int, drafters, tree_drafters, ma
 
 def _rank(spec: Speculation, manifest) -> tuple[int, int]:
     if spec.drafter == "model":
-        g = _graph(manifest, spec.draft_graph)
-        return _DRAFTER_RANK["model"], g.vocab * g.layers
+        g = drafter_graph(manifest, spec.draft_graph)
+        return _DRAFTER_RANK["model"], graph_weight_bytes(manifest, g).total  # its size, whatever its shape
     return _DRAFTER_RANK[spec.drafter], 0
 
 

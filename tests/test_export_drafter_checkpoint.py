@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import edge
-from conftest import build_checkpoint, tiny_export_options
+from conftest import VOCAB, build_checkpoint, tiny_export_options
 from edge.manifest import FORMAT_VERSION, load_manifest
 from export.checkpoint import load_hf_dir
 from export.pipeline import export_model
@@ -30,7 +31,12 @@ def draft_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory, tiny_llama_dir, draft_dir):
     out = tmp_path_factory.mktemp("export") / "with-draft"
-    opts = tiny_export_options(drafters=(), drafter_checkpoints=((str(draft_dir), 0), (str(draft_dir), 96)))
+    # the full vocabulary twice (0 and its size: one graph), a trimmed head, and another checkpoint of the same
+    # directory name (its graph gets its own name); an early-exit drafter beside them
+    twin = tmp_path_factory.mktemp("ck2") / draft_dir.name
+    build_checkpoint(twin, "llama", tie=True, seed=12, **DRAFT_SHAPE)
+    opts = tiny_export_options(drafter_checkpoints=((str(draft_dir), 0), (str(draft_dir), 96),
+                                                    (str(draft_dir), VOCAB), (str(twin), 96)))
     return out, export_model(tiny_llama_dir, out, opts, progress=False)
 
 
@@ -38,7 +44,10 @@ def test_manifest_records_the_drafters_own_shape(exported, draft_dir):
     out, m = exported
     again = load_manifest(out, verify="sha256")
     assert again == m and m.format_version == FORMAT_VERSION == 2  # an older edgespec is told to upgrade
-    full, trimmed = m.drafters
+    early, full, trimmed, twin = m.drafters
+    assert early.arch is None and m.arch_of(early) == m.arch
+    assert [g.name for g in (full, trimmed, twin)] == ["draft-tiny-draft-v384", "draft-tiny-draft-v96",
+                                                       "draft-tiny-draft-v96-2"]
     dc = load_hf_dir(draft_dir).config
     for g in (full, trimmed):
         assert g.arch == dc.to_dict() and g.layers == 1 and m.arch_of(g)["kv_heads"] == 3
@@ -80,16 +89,21 @@ def test_footprint_counts_the_drafter_by_its_own_shape(exported):
     from memory.footprint import Speculation, graph_weight_bytes, predict_peak
 
     out, m = exported
-    g = m.drafters[0]
+    g = m.drafters[1]
     fp = dict(predict_peak(m, Speculation(drafter="model", nodes=4, draft_graph=g.name), 200).parts)
     slots = 200 + 4 + 1
     assert fp["drafter.kv"] == m.kv_bytes_per_token(g) * slots
-    assert graph_weight_bytes(m, g).total == g.weight_bytes
+    w = graph_weight_bytes(m, g)
+    assert w.total == g.weight_bytes and abs(w.other) < 0.01 * w.total  # the prediction itself, from its own shape
     # what GraphSession allocates for it (the target's shape would give a third of that)
     assert fp["drafter.kv"] == 2 * 1 * 3 * 32 * 4 * slots != 2 * 1 * m.arch["kv_heads"] * m.arch["head_dim"] * 4 * slots
-    d = edge.load(out, drafter="none", context=200)._model_drafter(edge.GenerationParams(), None)
+    e = edge.load(out, drafter="none", context=200)
+    e.plan = SimpleNamespace(drafter="model", draft_graph=g.name)  # what a memory plan picked
+    d = e._model_drafter(edge.GenerationParams(), None)
     layers, _, _, kv_heads, _, head_dim = d.sess.cache.buf.shape
-    assert (layers, kv_heads, head_dim) == (1, 3, 32)
+    assert (layers, kv_heads, head_dim) == (1, 3, 32) and e._drafter_graph == g.name
+    e.plan = SimpleNamespace(drafter="model", draft_graph=m.drafters[0].name)  # a re-plan to the early exit
+    assert e._model_drafter(edge.GenerationParams(), None).sess.cache.buf.shape[3] == m.arch["kv_heads"]
 
 
 def test_a_drafter_with_another_tokenizer_is_refused_before_the_long_steps(tmp_path, tiny_llama_dir, draft_dir,
@@ -108,3 +122,61 @@ def test_a_drafter_with_another_tokenizer_is_refused_before_the_long_steps(tmp_p
     assert not (tmp_path / "out").exists()
     r = run_export_cli(tiny_llama_dir, "-o", tmp_path / "out", "--drafter-checkpoint", tmp_path / "nope", "-q")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "nope" in r.stderr, r.stderr
+
+
+def test_drafter_with_fewer_rows_than_the_targets_logits(tmp_path, tiny_llama_dir):
+    """A target whose head has padding rows past the tokenizer (400 logits, 384 tokens) with a drafter of 384 rows
+    (Qwen2.5-7B / 0.5B have 152064 / 151936): an id the drafter cannot embed is read as id 0, never a crash; the
+    output stays the target's own."""
+    target = tmp_path / "wide-target"
+    build_checkpoint(target, "llama", tie=True, layers=2, seed=0, vocab=VOCAB + 16)
+    draft = tmp_path / "draft"
+    build_checkpoint(draft, "llama", tie=True, seed=11, **DRAFT_SHAPE)
+    out = tmp_path / "m"
+    m = export_model(target, out, tiny_export_options(drafters=(), drafter_checkpoints=((str(draft), 0),)),
+                     progress=False)
+    assert m.arch["vocab"] == VOCAB + 16 and m.drafters[0].vocab == VOCAB  # its head covers what it can embed
+    e = edge.load(out, drafter="none", context=256)
+    beyond = 0
+    for p in PROMPTS + ["café 😀 日本", "rivers and mountains"]:
+        ref = e.generate(p, max_tokens=24, drafter="none").token_ids
+        assert e.generate(p, max_tokens=24, drafter="model", draft_len=3).token_ids == ref
+        beyond += sum(t >= VOCAB for t in ref)
+    assert beyond > 0  # the random target did write padding-row ids: the case was exercised
+
+
+@pytest.mark.parametrize("shape,needle", [
+    (dict(layers=1, hidden=40, heads=2, kv_heads=2, intermediate=64), "head dim 20 is not a multiple of 16"),
+    (dict(layers=1, hidden=64, heads=4, kv_heads=2, intermediate=64, vocab=300), "300 embedding rows"),
+])
+def test_drafters_our_graph_cannot_run_are_refused_before_the_long_steps(tmp_path, tiny_llama_dir, run_export_cli,
+                                                                         shape, needle):
+    draft = tmp_path / "draft"
+    build_checkpoint(draft, "llama", tie=True, seed=3, **shape)
+    r = run_export_cli(tiny_llama_dir, "-o", tmp_path / "out", "--precision", "fp32", "--drafter-layers",
+                       "--drafter-checkpoint", draft, "--max-len", "256", "-q")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_malformed_drafter_shape_is_a_clear_load_error(exported, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(exported[0], bad)
+    raw = json.loads((bad / "edge_model.json").read_text())
+    raw["graphs"][2]["arch"] = {"hidden": 96, "layers": 1, "kv_heads": 0, "head_dim": 32, "vocab": VOCAB}
+    (bad / "edge_model.json").write_text(json.dumps(raw))
+    with pytest.raises(edge.ModelDirError, match="malformed shape"):
+        edge.load(bad, drafter="none", context=256)
+
+
+def test_default_reuse_notices_a_changed_drafter_checkpoint(tmp_path, tiny_llama_dir, draft_dir):
+    from export.cli import _reusable
+
+    draft = tmp_path / "draft"
+    shutil.copytree(draft_dir, draft)
+    opts = tiny_export_options(drafters=(), drafter_checkpoints=((str(draft), 96),))
+    export_model(tiny_llama_dir, tmp_path / "m", opts, progress=False)
+    assert _reusable(tmp_path / "m", tiny_llama_dir, opts)
+    cfg = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))  # another drafter now
+    assert not _reusable(tmp_path / "m", tiny_llama_dir, opts)
