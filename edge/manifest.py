@@ -15,12 +15,6 @@ import numpy as np
 
 FORMAT_VERSION = 2  # the newest format this edgespec reads (and writes when an export needs it)
 OLDEST_FORMAT = 1  # format 2 adds GraphEntry.arch (a drafter from its own checkpoint); format 1 exports still load
-
-
-def format_for(graphs) -> int:
-    """The oldest format that describes these graphs, so an export an older edgespec can run is still format 1,
-    and one it cannot (a graph with its own shape, which it would read as the target's) tells it to upgrade."""
-    return 2 if any(g.arch for g in graphs) else OLDEST_FORMAT
 # the graphs export.graph writes: bumped whenever they change, so a cached export from an older builder is rebuilt
 # (2: the pad query row; 3: block-quantized embedding rows; 4: the default export became w8a8)
 GRAPH_VERSION = 4
@@ -73,6 +67,12 @@ class GraphEntry:
         """Activations quantized to int8 inside the matmuls: any change in attention summation order (a tree's
         masked siblings) can move a value across a rounding step, so trees are never exact on such graphs."""
         return self.precision == "w8a8" or (self.precision in ("int4", "int8") and self.accuracy_level == 4)
+
+
+def format_for(graphs) -> int:
+    """The oldest format that describes these graphs, so an export an older edgespec can run is still format 1,
+    and one it cannot (a graph with its own shape, which it would read as the target's) tells it to upgrade."""
+    return 2 if any(g.arch for g in graphs) else OLDEST_FORMAT
 
 
 @dataclass(frozen=True)
