@@ -359,8 +359,9 @@ class Engine:
             return "none"
         # lookup and recycling drafts cost no model calls; a model drafter must earn its cost. Measured choice
         # (README): hybrid lookup+recycling trees beat the early-exit drafter on this model.
-        best = max(self.manifest.drafters, key=lambda g: g.stats.get("top1_agreement", 0), default=None)
-        if best is not None and best.stats.get("top1_agreement", 0) >= 0.6:
+        from memory.footprint import drafter_graph
+
+        if self.manifest.drafters and drafter_graph(self.manifest).stats.get("top1_agreement", 0) >= 0.6:
             return "model"
         return "hybrid" if self.target.topk else "lookup"
 
