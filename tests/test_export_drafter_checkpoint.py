@@ -180,3 +180,20 @@ def test_default_reuse_notices_a_changed_drafter_checkpoint(tmp_path, tiny_llama
     cfg = json.loads((draft / "config.json").read_text())
     (draft / "config.json").write_text(json.dumps({**cfg, "rms_norm_eps": 1e-5}))  # another drafter now
     assert not _reusable(tmp_path / "m", tiny_llama_dir, opts)
+
+
+def test_auto_runs_a_drafter_that_agrees_often_enough(exported, tmp_path):
+    """`drafter="auto"` picks the model drafter once its measured agreement reaches 0.6 (a good checkpoint drafter),
+    and runs that graph; below it, the free drafters."""
+    copy = tmp_path / "m"
+    shutil.copytree(exported[0], copy)
+    assert edge.load(copy, context=256).default_drafter == "hybrid"  # random tiny drafters agree rarely
+    raw = json.loads((copy / "edge_model.json").read_text())
+    raw["graphs"][3]["stats"]["top1_agreement"] = 0.7  # the trimmed checkpoint drafter
+    (copy / "edge_model.json").write_text(json.dumps(raw))
+    e = edge.load(copy, context=256)
+    assert e.default_drafter == "model"
+    ref = e.generate(PROMPTS[0], max_tokens=16, drafter="none")
+    r = e.generate(PROMPTS[0], max_tokens=16)
+    assert r.stats.drafter == "model" and r.token_ids == ref.token_ids
+    assert e._drafter_graph == raw["graphs"][3]["name"]
