@@ -255,8 +255,11 @@ class Engine:
 
         if self.profile is None:
             self.profile = profile_for(None)
+        stats = dict(self.acceptance)
+        if "model" in stats and self._drafter_graph is not None:  # measured on that graph, not on every one
+            stats[self._drafter_graph] = stats.pop("model")
         try:
-            pl = make_plan(self.manifest, self.profile, max(1, context), self.budget_mb, stats=self.acceptance,
+            pl = make_plan(self.manifest, self.profile, max(1, context), self.budget_mb, stats=stats,
                            min_call=self.target.min_call, capacity=self.context, tree_exact=self.target.tree_exact,
                            previous=previous)
         except (BudgetError, PlanError) as e:
@@ -279,8 +282,11 @@ class Engine:
         st = self.acceptance.get(kind)
         if st is None:
             prior = DEFAULT_PRIORS.get(kind, (0.3, 1.0))[0]
-            if kind == "model":
-                prior = max((g.stats.get("top1_agreement", 0.3) for g in self.manifest.drafters), default=0.3)
+            if kind == "model" and self.manifest.drafters:  # the graph running (or about to run): its agreement
+                from memory.footprint import drafter_graph
+
+                g = drafter_graph(self.manifest, self._drafter_graph)
+                prior = g.stats.get("top1_agreement", 0.3)
             st = self.acceptance[kind] = AcceptanceStats(prior)
         return st
 
@@ -372,14 +378,18 @@ class Engine:
         want = self.plan.draft_graph if self.plan is not None and self.plan.drafter == "model" else None
         g = drafter_graph(self.manifest, want)
         if self._drafter_sess is None or self._drafter_graph != g.name:
-            self._drafter_sess = None  # one drafter session at a time
-            self._drafter_sess = GraphSession(str(self.model_dir / g.file), self.manifest, g, self.context,
-                                              self.threads, self.providers)
-            self._drafter_graph = g.name
-            self._id_map = np.load(self.model_dir / g.id_map) if g.id_map else np.arange(g.vocab)
-            if self._id_map.max() >= self.manifest.arch["vocab"] or self._id_map.min() < 0:
+            switched = self._drafter_graph is not None
+            self._drafter_sess = None  # one drafter session at a time; nothing below is kept unless all of it loads
+            id_map = np.load(self.model_dir / g.id_map) if g.id_map else np.arange(g.vocab)
+            if id_map.max() >= self.manifest.arch["vocab"] or id_map.min() < 0:
                 raise ModelDirError(f"{self.model_dir / g.id_map}: ids outside the target vocabulary; re-export")
+            sess = GraphSession(str(self.model_dir / g.file), self.manifest, g, self.context, self.threads,
+                                self.providers)
+            self._drafter_sess, self._drafter_graph, self._id_map = sess, g.name, id_map
             self._drafter_cached: list[int] = []
+            if switched:  # another graph: its own acceptance (from its measured agreement) and cost per token
+                self.acceptance.pop("model", None)
+                self._draft_ms = 0.0
         d = ModelDrafter(self._drafter_sess, self._id_map, self.manifest.arch["vocab"], threshold=0.0,
                          temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, rng=rng,
                          input_vocab=self.manifest.arch_of(g)["vocab"])

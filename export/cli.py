@@ -23,11 +23,14 @@ def _reusable(out: Path, source: Path, opts: ExportOptions) -> bool:
         m = load_manifest(out, verify="sha256")
     except ModelDirError:
         return False
-    same_drafters = all(source_digest(c["path"]) == c["sha256"] if Path(c["path"]).exists() else False
-                        for c in (g.stats.get("checkpoint") for g in m.drafters) if c)
-    return (m.source.get("sha256") == source_digest(source) and m.source.get("options") == opts.recorded()
-            and same_drafters
-            and m.source.get("graph_version") == GRAPH_VERSION)
+    if m.source.get("options") != opts.recorded() or m.source.get("graph_version") != GRAPH_VERSION:
+        return False  # the cheap checks first; then the digests
+
+    def same(path, sha) -> bool:
+        return bool(path) and Path(path).exists() and source_digest(path) == sha
+
+    return same(source, m.source.get("sha256")) and all(
+        same(c.get("path"), c.get("sha256")) for c in (g.stats.get("checkpoint") for g in m.drafters) if c)
 
 
 def export_default(progress: bool = True, force: bool = False, opts: ExportOptions | None = None):

@@ -197,3 +197,53 @@ def test_auto_runs_a_drafter_that_agrees_often_enough(exported, tmp_path):
     r = e.generate(PROMPTS[0], max_tokens=16)
     assert r.stats.drafter == "model" and r.token_ids == ref.token_ids
     assert e._drafter_graph == raw["graphs"][3]["name"]
+
+
+def test_replanning_credits_measured_acceptance_to_the_graph_that_earned_it(exported, monkeypatch):
+    """The model drafter's online acceptance was measured on the graph that ran; a re-plan must not credit it to
+    every drafter graph (it would then move to a cheaper graph that never earned it). A switch starts the new
+    graph from its own measured agreement."""
+    import edge.planning
+    from memory.acceptance import AcceptanceStats
+
+    out, m = exported
+    e = edge.load(out, drafter="model", context=256)
+    e.generate(PROMPTS[0], max_tokens=8)  # runs the best-agreement graph
+    ran = e._drafter_graph
+    e.acceptance["model"] = AcceptanceStats(0.9)
+    seen = {}
+    real = edge.planning.make_plan
+
+    def spy(manifest, profile, context, budget, stats=None, **kw):
+        seen.update(stats)
+        return real(manifest, profile, context, budget, stats=stats, **kw)
+
+    monkeypatch.setattr(edge.planning, "make_plan", spy)
+    e._replan(64, None)
+    assert "model" not in seen and seen[ran].rate[0, 0] == pytest.approx(0.9)
+    other = next(g for g in m.drafters if g.name != ran)
+    e.plan = SimpleNamespace(drafter="model", draft_graph=other.name)
+    e._model_drafter(edge.GenerationParams(), None)
+    assert e._stats("model").rate[0, 0] == pytest.approx(other.stats.get("top1_agreement", 0.3))
+
+
+def test_a_failed_drafter_switch_leaves_nothing_half_built(exported, monkeypatch):
+    out, m = exported
+    e = edge.load(out, drafter="none", context=256)
+    ref = e.generate(PROMPTS[1], max_tokens=16).token_ids
+    assert e.generate(PROMPTS[1], max_tokens=16, drafter="model").token_ids == ref
+    first, early = e._drafter_graph, m.drafters[0]
+    e.plan = SimpleNamespace(drafter="model", draft_graph=early.name)  # a plan moves to the early exit ...
+
+    def unreadable(*a, **k):
+        raise OSError("disk went away")
+
+    monkeypatch.setattr(np, "load", unreadable)
+    with pytest.raises(OSError):  # ... whose id map cannot be read this once
+        e._model_drafter(edge.GenerationParams(), None)
+    monkeypatch.undo()
+    d = e._model_drafter(edge.GenerationParams(), None)  # rebuilt whole: session, id map and cache agree
+    assert e._drafter_graph == early.name and len(d.id_map) == early.vocab and d.sess.vocab == early.vocab
+    e.plan = None
+    assert e.generate(PROMPTS[1], max_tokens=16, drafter="model").token_ids == ref
+    assert e._drafter_graph == first
