@@ -22,6 +22,7 @@ from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
 from memory.acceptance import MEASURED_TOKEN_PRIORS, AcceptanceStats, TokenAcceptance
+from memory.footprint import drafter_graph
 from memory.planner import DEFAULT_PRIORS, LatencyCurve, best_chain_length, best_prefix, export_verify_shape
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
@@ -283,8 +284,6 @@ class Engine:
         if st is None:
             prior = DEFAULT_PRIORS.get(kind, (0.3, 1.0))[0]
             if kind == "model" and self.manifest.drafters:  # the graph running (or about to run): its agreement
-                from memory.footprint import drafter_graph
-
                 g = drafter_graph(self.manifest, self._drafter_graph)
                 prior = g.stats.get("top1_agreement", 0.3)
             st = self.acceptance[kind] = AcceptanceStats(prior)
@@ -365,15 +364,11 @@ class Engine:
             return "none"
         # lookup and recycling drafts cost no model calls; a model drafter must earn its cost. Measured choice
         # (README): hybrid lookup+recycling trees beat the early-exit drafter on this model.
-        from memory.footprint import drafter_graph
-
         if self.manifest.drafters and drafter_graph(self.manifest).stats.get("top1_agreement", 0) >= 0.6:
             return "model"
         return "hybrid" if self.target.topk else "lookup"
 
     def _model_drafter(self, p: GenerationParams, rng) -> ModelDrafter:
-        from memory.footprint import drafter_graph
-
         # the memory plan's drafter graph when there is a plan (its budget is for that graph), else the best one
         want = self.plan.draft_graph if self.plan is not None and self.plan.drafter == "model" else None
         g = drafter_graph(self.manifest, want)

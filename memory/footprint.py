@@ -175,17 +175,12 @@ def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int
     )
 
 
-def _arch_of(manifest, graph) -> Mapping:
-    """The graph's own shape (a drafter from a separate checkpoint), else the target's."""
-    return getattr(graph, "arch", None) or manifest.arch
-
-
 def graph_weight_bytes(manifest, graph) -> WeightBytes:
     """The parts of an exported graph: `predict_weight_bytes` for its entry (layers, logits width, precision, head,
     rotary length), reconciled with the manifest's measured `weight_bytes` when it has one — whatever the predictor
     does not explain (an export option the manifest does not record, e.g. a drafter adapter or a symmetric
     export's missing zero points) goes into `other`, so the total is always the file size."""
-    w = predict_weight_bytes(_arch_of(manifest, graph), layers=graph.layers, vocab=graph.vocab, precision=graph.precision,
+    w = predict_weight_bytes(manifest.arch_of(graph), layers=graph.layers, vocab=graph.vocab, precision=graph.precision,
                              block_size=graph.block_size or 32, lm_head_bits=graph.lm_head_bits,
                              max_len=graph.max_len or None, embedding_bits=graph.embedding_bits)
     if graph.weight_bytes:
@@ -381,7 +376,7 @@ def _session_parts(prefix: str, manifest, graph, calib: Calibration, context: in
                    kept_rows: int, prefill_chunk: int, slots: int) -> tuple[list[tuple[str, int]], int]:
     """Weights, session, KV, logits and arena of one graph session → (parts, widest bias [S, T] bytes).
     `slots`: the KV buffer's capacity; attention scratch and bias only touch the `context + S` positions in use."""
-    a = _arch_of(manifest, graph)
+    a = manifest.arch_of(graph)
     w = graph_weight_bytes(manifest, graph)
     span = context + call_rows
     chunk = max(1, min(prefill_chunk, context))
