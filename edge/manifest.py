@@ -13,6 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
+from memory.footprint import kv_bytes_per_token
+
 FORMAT_VERSION = 2  # the newest format this edgespec reads (and writes when an export needs it)
 OLDEST_FORMAT = 1  # format 2 adds GraphEntry.arch (a drafter from its own checkpoint); format 1 exports still load
 # the graphs export.graph writes: bumped whenever they change, so a cached export from an older builder is rebuilt
@@ -106,9 +108,7 @@ class Manifest:
         return graph.arch or self.arch
 
     def kv_bytes_per_token(self, graph: GraphEntry) -> int:
-        elem = 2 if graph.kv_dtype == "float16" else 4
-        a = self.arch_of(graph)
-        return 2 * graph.layers * a["kv_heads"] * a["head_dim"] * elem
+        return kv_bytes_per_token(self.arch_of(graph), graph.layers, graph.kv_dtype)
 
     # ---------------------------------------------------------------- I/O
     def to_json(self) -> str:

@@ -74,7 +74,7 @@ def kv_elem_bytes(kv_dtype: str) -> int:
 
 
 def kv_bytes_per_token(arch: Mapping, layers: int, kv_dtype: str = "float32") -> int:
-    """2 (K and V) · layers · kv_heads · head_dim · element size — the same as Manifest.kv_bytes_per_token."""
+    """2 (K and V) · layers · kv_heads · head_dim · element size (Manifest.kv_bytes_per_token asks this)."""
     return 2 * layers * arch["kv_heads"] * arch["head_dim"] * kv_elem_bytes(kv_dtype)
 
 
