@@ -7,11 +7,11 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from .engine import (Chat, Chunk, ContextFull, Engine, EngineBusy, EngineError, GenerationParams, GenerationResult,
                      Stats)
+from .files import unwritable_dir
 from .manifest import ModelDirError
 
 __all__ = ["load", "Engine", "Chat", "Chunk", "GenerationParams", "GenerationResult", "Stats", "EngineError",
@@ -43,13 +43,10 @@ def ensure_default_model(progress: bool = True) -> Path:
             return d
     except ModelDirError:
         pass
-    try:  # created, and written to for real (a read-only mount, a directory of another user)
-        d.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=d.parent):
-            pass
-    except OSError as e:
-        raise ModelDirError(f"cannot write the model cache {d.parent} ({e.strerror or e}): the embedded model is "
-                            "exported there on first use; set EDGESPEC_HOME to a writable directory") from None
+    problem = unwritable_dir(d.parent)  # a read-only mount, a directory of another user
+    if problem:
+        raise ModelDirError(f"model cache: {problem}: the embedded model is exported there on first use; set "
+                            "EDGESPEC_HOME to a writable directory")
     # progress and errors go to stderr; its stdout summary is not ours (edge-chat --json owns stdout)
     r = subprocess.run([sys.executable, "-m", "export.cli", "--default"] + ([] if progress else ["--quiet"]),
                        stdout=subprocess.DEVNULL)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from .cli import non_negative_int, positive_int
+from .files import unwritable
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "public.jsonl"
 
@@ -283,21 +284,6 @@ def _outputs(path: str) -> tuple[Path, Path]:
     if out.suffix == ".md":
         out = out.with_suffix(".json")
     return out, out.with_suffix(".md")
-
-
-def unwritable(path: Path) -> str | None:
-    """Why `path` cannot be written (creating its directory if needed), or None."""
-    if path.is_dir():
-        return f"{path} is a directory; give a file name"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        return f"cannot create {path.parent} ({e.strerror or e})"
-    import os
-
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        return f"{path} is not writable"
-    return None
 
 
 if __name__ == "__main__":

@@ -349,19 +349,18 @@ def main(argv=None) -> int:
 
     from memory.footprint import DEFAULT_CALIBRATIONS
 
+    from .files import unwritable_dir
     from .manifest import load_manifest
     from .planning import default_calibration_path, load_calibration, profile_for
 
     t_start = time.time()
-    model_dir = Path(a.model) if a.model else edge.ensure_default_model()
     out = Path(a.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        print(f"edge-profile: error: --out {out}: cannot create the output directory ({e.strerror or e})",
-              file=sys.stderr)
+    problem = unwritable_dir(out)  # found now, not after the profile (or the first-run export)
+    if problem:
+        print(f"edge-profile: error: --out {out}: {problem}", file=sys.stderr)
         return 2
     try:
+        model_dir = Path(a.model) if a.model else edge.ensure_default_model()
         want = max(a.latency_context + max(a.sizes) + 8, ENGINE_CONTEXT)
         cap = load_manifest(model_dir, verify="none").target.max_len  # a smaller export: as much as it holds
         engine = edge.Engine(model_dir, drafter="none", threads=a.threads, context=min(want, cap))

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from memory.footprint import recycling_bytes
 
-from .bench import unwritable
 from .cli import non_negative_int, positive_int
 from .engine import DRAFTERS
+from .files import unwritable
 
 QUESTIONS = [
     "Name a river in Europe.", "What is 7 times 8?", "Give me a synonym for quick.", "Who wrote Hamlet?",

@@ -93,6 +93,16 @@ def test_edge_profile_output_under_a_file_is_one_clear_line(tiny_dir, prompts, t
     f.write_text("x")
     r = _run(["edge.profile", str(prompts), "--model", str(tiny_dir), "--out", str(f / "o")])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--out" in r.stderr, r.stderr
+    # without --model: refused before the embedded default is looked up (or exported: a minute of work)
+    r = subprocess.run([sys.executable, "-m", "edge.profile", str(prompts), "--out", str(f / "o")],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "EDGESPEC_HOME": str(f / "home")})
+    assert r.returncode == 2 and "--out" in r.stderr and "EDGESPEC_HOME" not in r.stderr, r.stderr
+    # a good --out, a cache that cannot be made: one line naming the variable
+    r = subprocess.run([sys.executable, "-m", "edge.profile", str(prompts), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "EDGESPEC_HOME": str(f / "home")})
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "EDGESPEC_HOME" in r.stderr, r.stderr
 
 
 def test_pure_helpers():

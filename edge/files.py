@@ -1,0 +1,29 @@
+"""Can we write here? Asked before long work (an export, an hour of benchmark runs), so the answer is one line
+at the start instead of a traceback at the end."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def unwritable_dir(d: Path) -> str | None:
+    """Why files cannot be created in directory `d` (made if missing), or None. Probed by creating a temporary
+    file: os.access says yes to root on a read-only mount and to many network file systems that then refuse."""
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=d):
+            pass
+    except OSError as e:
+        return f"cannot write in {d} ({e.strerror or e})"
+    return None
+
+
+def unwritable(path: Path) -> str | None:
+    """Why file `path` cannot be written (creating its directory if needed), or None."""
+    if path.is_dir():
+        return f"{path} is a directory; give a file name"
+    problem = unwritable_dir(path.parent)
+    if problem is None and path.exists() and not os.access(path, os.W_OK):
+        problem = f"{path} is not writable"
+    return problem
