@@ -78,6 +78,7 @@ class _Steps:
     """One progress bar over the export's named steps (tqdm when available and wanted)."""
 
     def __init__(self, total: int, enabled: bool):
+        self.total, self.finished = total, 0
         self.bar = None
         if enabled:
             try:
@@ -95,8 +96,16 @@ class _Steps:
             print(f"[export] {what} …", file=sys.stderr, flush=True)
 
     def done(self):
+        self.finished += 1
         if self.bar is not None:
             self.bar.update(1)
+
+    def drop(self, n: int):
+        """`n` counted steps turned out not to be needed (a drafter graph that another one already is)."""
+        self.total -= n
+        if self.bar is not None:
+            self.bar.total = self.total
+            self.bar.refresh()
 
     def close(self, failed: bool = False):
         if self.bar is not None:
@@ -484,6 +493,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
         usable = min(separate[path].config.vocab, c.vocab)
         key = (str(Path(separate[path].source).resolve()), min(k or usable, usable))
         if key in built:  # the same checkpoint at the same effective vocabulary (e.g. --drafter-vocab 0 and its size)
+            steps.drop(2)  # its export and its measurement
             continue
         built.add(key)
         graphs.append(_checkpoint_drafter(Path(path), separate[path], k, part, opts, c, ranked, max_len,

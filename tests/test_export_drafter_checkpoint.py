@@ -15,6 +15,7 @@ import edge
 from conftest import VOCAB, build_checkpoint, tiny_export_options
 from edge.manifest import FORMAT_VERSION, load_manifest
 from export.checkpoint import load_hf_dir
+from export import pipeline
 from export.pipeline import export_model
 
 DRAFT_SHAPE = dict(layers=1, hidden=96, heads=3, kv_heads=3, intermediate=96)  # target: 3 layers, 64, 4, 2, 128
@@ -37,7 +38,19 @@ def exported(tmp_path_factory, tiny_llama_dir, draft_dir):
     build_checkpoint(twin, "llama", tie=True, seed=12, **DRAFT_SHAPE)
     opts = tiny_export_options(drafter_checkpoints=((str(draft_dir), 0), (str(draft_dir), 96),
                                                     (str(draft_dir), VOCAB), (str(twin), 96)))
-    return out, export_model(tiny_llama_dir, out, opts, progress=False)
+    bars = []
+
+    class Steps(pipeline._Steps):
+        def __init__(self, *a):
+            super().__init__(*a)
+            bars.append(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline, "_Steps", Steps)
+        m = export_model(tiny_llama_dir, out, opts, progress=False)
+    # the progress bar ends full: the graph the duplicate would have been is not counted
+    assert [(b.finished, b.total) for b in bars] == [(bars[0].total, bars[0].total)]
+    return out, m
 
 
 def test_manifest_records_the_drafters_own_shape(exported, draft_dir):
