@@ -137,8 +137,9 @@ class LookupDrafter:
 
 class ModelDrafter:
     """An exported trimmed-vocabulary drafter (early-exit, or a separate small checkpoint): its own graph session
-    and KV cache, rolled back to what the target accepted after every step. Stops drafting early when its own confidence drops below `threshold`
-    (SpecDec++'s stopping rule with max-probability as the stand-in for the trained acceptance head)."""
+    and KV cache, rolled back to what the target accepted after every step. Stops drafting early when its own
+    confidence drops below `threshold` (SpecDec++'s stopping rule with max-probability as the stand-in for the
+    trained acceptance head)."""
 
     name = "model"
 
