@@ -74,8 +74,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="speculative drafter: lookup = prompt/history n-gram lookup, recycling = Token Recycling "
                             "(the target's own top-k successors), hybrid = each step the lookup span or the recycling "
                             "chain, whichever is expected to gain more per millisecond, model = the export's drafter "
-                            "graph (early-exit, or a small checkpoint: edge-export --drafter-checkpoint), none = plain decoding (the lossless reference), auto = chosen from what the "
-                            "export measured (default)")
+                            "graph (early-exit, or a small checkpoint: edge-export --drafter-checkpoint), none = "
+                            "plain decoding (the lossless reference), auto = chosen from what the export measured; "
+                            "with --device/--budget-mb the memory plan chooses (default auto)")
     group.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
     group.add_argument("--context", type=positive_int,
                        help="context window in tokens (default 4096, or the export's maximum if that is smaller)")

@@ -22,8 +22,9 @@ from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
 from memory.acceptance import MEASURED_TOKEN_PRIORS, AcceptanceStats, TokenAcceptance
-from memory.footprint import drafter_graph
-from memory.planner import DEFAULT_PRIORS, LatencyCurve, best_chain_length, best_prefix, export_verify_shape
+from memory.footprint import PREFILL_CHUNK, drafter_graph
+from memory.planner import (DEFAULT_PRIORS, LatencyCurve, best_chain_length, best_prefix, export_verify_shape,
+                            fullest)
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .manifest import VERIFY_LEVELS, ModelDirError, check_drafter, load_manifest
@@ -236,6 +237,7 @@ class Engine:
         # context grows (shrinking only); without, the drafter runs unconstrained
         self.profile, self.budget_mb, self.plan = profile, budget_mb, None
         self._auto = drafter == "auto"
+        self._configured = drafter  # with a plan: the drafter it may choose ("auto": any), or plain decoding
         if profile is not None or budget_mb is not None:
             try:
                 self.plan = self._replan(self.context // 2, None)
@@ -249,7 +251,11 @@ class Engine:
                                   f"chat grows; `edge-chat --plan --context {self.context}` shows the need at the "
                                   "full context)") from e.__cause__
 
-    def _replan(self, context: int, previous):
+    def _replan(self, context: int, previous, sampling: bool = False):
+        """The memory plan at `context` tokens (previous: the plan it replaces; a model drafter once given up is
+        not taken back).
+        The plan decides the drafter this engine runs; a model drafter's session is dropped once a plan stops
+        using it (its memory is no longer budgeted)."""
         from memory.planner import BudgetError, PlanError
 
         from .planning import make_plan, profile_for
@@ -262,12 +268,28 @@ class Engine:
         try:
             pl = make_plan(self.manifest, self.profile, max(1, context), self.budget_mb, stats=stats,
                            min_call=self.target.min_call, capacity=self.context, tree_exact=self.target.tree_exact,
-                           previous=previous)
+                           previous=previous, drafter=self._configured, sampling=sampling)
         except (BudgetError, PlanError) as e:
             raise EngineError(str(e)) from e
-        if self._auto:
-            self.default_drafter = pl.drafter
+        self.default_drafter = pl.drafter
+        if pl.drafter != "model":
+            self._drafter_sess = None
         return pl
+
+    def _planned_drafter(self, asked: str | None) -> str:
+        """The drafter a request runs. Without a plan: the one asked for, else the engine's. With one: the plan's,
+        unless the request asks for plain decoding or a drafter the plan's memory already covers (hybrid holds
+        lookup's and recycling's state); another drafter is refused, not run over the budget."""
+        if self.plan is None:
+            return self._resolve(asked or self.default_drafter)
+        have = self.plan.drafter
+        if asked in (None, "auto", self._configured, have):
+            return have
+        if asked == "none" or (have == "hybrid" and asked in ("lookup", "recycling")):
+            return self._resolve(asked)
+        raise EngineError(f"drafter {asked!r} is outside this engine's memory plan (drafter {have} at "
+                          f"{self.plan.budget_mb:g} MB); leave the drafter unset to follow the plan, or load the "
+                          f"engine with drafter={asked!r}")
 
     def _verify_ms(self, s: int) -> float:
         """Measured mean call time at width s, else the export's measured curve (or the default one) scaled to the
@@ -373,7 +395,7 @@ class Engine:
         want = self.plan.draft_graph if self.plan is not None and self.plan.drafter == "model" else None
         g = drafter_graph(self.manifest, want)
         if self._drafter_sess is None or self._drafter_graph != g.name:
-            switched = self._drafter_graph is not None
+            switched = self._drafter_graph not in (None, g.name)  # not a reload of the same graph
             self._drafter_sess = None  # one drafter session at a time; nothing below is kept unless all of it loads
             id_map = np.load(self.model_dir / g.id_map) if g.id_map else np.arange(g.vocab)
             if id_map.max() >= self.manifest.arch["vocab"] or id_map.min() < 0:
@@ -421,7 +443,7 @@ class Engine:
         return self.codec.encode_chat(msgs)
 
     # ------------------------------------------------------------------ the loop
-    def _prefill(self, ids: list[int], st: Stats, chunk: int = 512) -> np.ndarray:
+    def _prefill(self, ids: list[int], st: Stats) -> np.ndarray:
         """Re-use the longest cached prefix, prefill the rest in chunks; → logits [V] after the last prompt token."""
         n = 0
         lim = min(len(self.cached), len(ids) - 1)
@@ -430,6 +452,8 @@ class Engine:
         self._rewind_to(n)
         st.reused_tokens = n
         logits = None
+        # rows per prefill call: a device profile's (what its memory plan counts), else the footprint model's default
+        chunk = getattr(self.profile, "prefill_chunk", None) or PREFILL_CHUNK
         for i in range(n, len(ids), chunk):
             part = ids[i : i + chunk]
             logits = self.target.forward(part, keep=1)[-1]
@@ -496,12 +520,12 @@ class Engine:
                               "shorten it (or load with a larger context)")
         p.check(room)
         rng = np.random.default_rng(p.seed)
-        if self.plan is not None:  # the context grows with every turn: re-plan, never growing the plan
-            self.plan = self._replan(min(self.context, len(ids) + p.max_tokens), self.plan)
-        kind = p.drafter or self.default_drafter
-        kind = self._resolve(kind)  # also refuses a drafter this export cannot run, with the fix named
+        if self.plan is not None:  # the context grows with every turn: re-plan
+            end = min(fullest(self.context, self.target.min_call), len(ids) + p.max_tokens)
+            self.plan = self._replan(end, self.plan, sampling=p.temperature > 0)
+        kind = self._planned_drafter(p.drafter)  # also refuses a drafter this export cannot run, with the fix named
         drafter, k = self._drafter(kind, p, rng)
-        if self.plan is not None and kind == self.plan.drafter and p.draft_len is None:
+        if self.plan is not None:
             k = min(k, self.plan.nodes)  # the memory plan caps draft tokens per call
         # chains get an adaptive length; tree drafters (exact trees only) fill their node budget
         d_chain = kind in ("lookup", "model") or not self.target.tree_exact
@@ -626,6 +650,8 @@ class Engine:
         if not keep_drafter_state:
             self.recycling = RecyclingDrafter(self.manifest.arch["vocab"], chains_only=not self.target.tree_exact)
             self.lookup = LookupDrafter()
+        if self.plan is not None:  # an empty context: planned afresh, as at load
+            self.plan = self._replan(self.context // 2, None)
 
 
 def _normalize(kw: dict) -> dict:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-SCRATCH_SLOTS = 1
+from memory.footprint import KV_SCRATCH_SLOTS as SCRATCH_SLOTS
 
 
 class CacheFull(Exception):

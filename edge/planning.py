@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 from devices import check_available, detect_host, load_profile
 from memory.footprint import Calibration
-from memory.planner import BudgetError, Plan, PlanError, min_budget_plain, min_budget_speculative, plan
+from memory.planner import (BudgetError, Latency, Plan, PlanError, fullest, min_budget_plain, min_budget_speculative,
+                            plan)
 
 from .manifest import Manifest
 
-CALIBRATION_SECTIONS = ("device_class", "memory", "latency", "acceptance", "source", "host")
+CALIBRATION_SECTIONS = ("device_class", "memory", "latency", "acceptance", "source", "host", "model")
+# what Latency.from_calibration reads of a manifest when only a calibration's own curves are checked
+_NO_DRAFTERS = SimpleNamespace(drafters=(), target=SimpleNamespace(stats={}, layers=1))
 
 
 class CalibrationError(ValueError):
@@ -46,25 +50,54 @@ def load_calibration(path) -> dict:
     if bad:
         raise CalibrationError(f"calibration {p}: unknown section(s) {bad}; known: {', '.join(CALIBRATION_SECTIONS)}")
     try:
+        for section in ("memory", "latency", "acceptance", "model"):
+            if not isinstance(d.get(section) or {}, dict):
+                raise ValueError(f"section {section!r} must be an object")
         Calibration.from_dict(d.get("memory"), d.get("device_class", "cpu"))
-        for v in (d.get("acceptance") or {}).values():
-            AcceptanceStats.from_dict(v)
-    except (ValueError, KeyError, TypeError) as e:
+        Latency.from_calibration(_NO_DRAFTERS, d.get("latency"))
+        for k, v in (d.get("acceptance") or {}).items():
+            try:
+                AcceptanceStats.from_dict(v)
+            except ValueError as e:
+                raise ValueError(f"acceptance[{k!r}]: {e}") from None
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
         raise CalibrationError(f"calibration {p}: {e}") from None
     d["path"] = str(p)
     return d
 
 
+def model_identity(manifest: Manifest) -> dict:
+    """What a calibration records of the export it measured: its latency curves and acceptance belong to it."""
+    t = manifest.target
+    digests = {f.path: f.sha256 for f in manifest.files}
+    return {"name": manifest.name, "precision": t.precision,
+            "target_sha256": digests.get(t.file + ".data") or digests.get(t.file)}
+
+
 def profile_for(device: str | None, simulate: bool = False, calibration=None, model_dir=None):
     """A device profile by name (or the detected host), checked for its execution provider, carrying a calibration:
-    `calibration` (a path) if given, else for the host the one edge-profile --install left for `model_dir`."""
+    `calibration` (a path) if given, else for the host the one edge-profile --install left for `model_dir` (unless
+    it was measured on another export under the same directory name: then none)."""
+    from .manifest import load_manifest
+
     p = detect_host() if device in (None, "host") else load_profile(device)
     p = check_available(p, simulate=simulate)
+    given = calibration is not None
     if calibration is None and model_dir is not None and p.name == "host":
         auto = default_calibration_path(model_dir)
         calibration = auto if auto.is_file() else None
     if calibration is not None:
         cal = load_calibration(calibration)
+        measured = cal.get("model")
+        if measured is not None and model_dir is not None:
+            this = model_identity(load_manifest(model_dir, verify="none"))
+            if measured != this:
+                if not given:  # a re-export since --install: its curves would mislead the planner
+                    return p
+                raise CalibrationError(f"calibration {cal['path']} was measured on {measured.get('name')} "
+                                       f"({measured.get('precision')}, target {str(measured.get('target_sha256'))[:12]}"
+                                       f"), not on {model_dir} ({this['precision']}, target "
+                                       f"{str(this['target_sha256'])[:12]}); run edge-profile on this model")
         p = replace(p, calibration={k: v for k, v in cal.items() if k != "path"},
                     notes=(p.notes + "; " if p.notes else "") + f"calibration {cal['path']}")
     return p
@@ -84,25 +117,35 @@ def capabilities(manifest: Manifest, tree_exact: bool | None = None) -> dict:
 
 def make_plan(manifest: Manifest, profile, context: int, budget_mb: float | None, *, stats=None, min_call: int = 2,
               capacity: int | None = None, tree_exact: bool | None = None, sampling: bool = False,
-              previous: Plan | None = None) -> Plan:
-    kw = dict(stats=stats, budget_mb=budget_mb, min_call=min_call, capacity=capacity, sampling=sampling,
-              **capabilities(manifest, tree_exact))
+              previous: Plan | None = None, drafter: str = "auto") -> Plan:
+    """The plan for this export. `drafter`: "auto" lets the planner choose among what the export can run; another
+    name restricts it to that drafter or plain decoding. `previous`: a runtime re-plan, which never goes back to a
+    model drafter it gave up (its session's memory); the rest follows the budget and the measured acceptance."""
+    caps = capabilities(manifest, tree_exact)
+    if drafter != "auto":
+        caps = {"drafters": tuple(d for d in caps["drafters"] if d in ("none", drafter)),
+                "tree_drafters": tuple(d for d in caps["tree_drafters"] if d == drafter)}
+    kw = dict(stats=stats, budget_mb=budget_mb, min_call=min_call, capacity=capacity, sampling=sampling, **caps)
     if previous is not None:
-        return plan(profile, manifest, context, ceiling=previous, **kw)
+        return plan(profile, manifest, context, ceiling=previous, ceiling_nodes=False, **kw)
     return plan(profile, manifest, context, **kw)
 
 
-def plan_report(manifest: Manifest, profile, context: int, budget_mb: float | None) -> dict:
-    """What `edge-chat --plan --json` prints: the plan, predicted peaks, and both lower bounds."""
+def plan_report(manifest: Manifest, profile, context: int, budget_mb: float | None, min_call: int = 2,
+                at: int | None = None) -> dict:
+    """What `edge-chat --plan --json` prints for an engine of `context` slots holding `at` tokens (default: full):
+    the plan, predicted peaks, and both lower bounds."""
     caps = capabilities(manifest)
+    last = fullest(context, min_call) if at is None else at
     out = {"device": profile.name, "simulated": getattr(profile, "simulated", False), "context": context,
            "calibration": (profile.calibration or {}).get("source"),
            "budget_mb": budget_mb if budget_mb is not None else profile.budget_mb,
-           "min_budget_plain_mb": round(min_budget_plain(manifest, context, profile, min_call=2), 1)}
-    spec_lb = min_budget_speculative(manifest, context, None, profile, min_call=2, **caps)
+           "min_budget_plain_mb": round(min_budget_plain(manifest, last, profile, min_call=min_call,
+                                                         capacity=context), 1)}
+    spec_lb = min_budget_speculative(manifest, last, None, profile, min_call=min_call, capacity=context, **caps)
     out["min_budget_speculative_mb"] = None if spec_lb is None else round(spec_lb, 1)
     try:
-        p = make_plan(manifest, profile, context, budget_mb)
+        p = make_plan(manifest, profile, last, budget_mb, min_call=min_call, capacity=context)
         out.update(plan=p.to_dict(), predicted_peak_mb={"plain": round(p.plain_peak_mb, 1),
                                                         "speculative": round(p.peak_mb, 1)}, fits=True)
     except (BudgetError, PlanError) as e:

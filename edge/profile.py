@@ -351,7 +351,7 @@ def main(argv=None) -> int:
 
     from .files import unwritable_dir
     from .manifest import load_manifest
-    from .planning import default_calibration_path, load_calibration, profile_for
+    from .planning import default_calibration_path, load_calibration, model_identity, profile_for
 
     t_start = time.time()
     out = Path(a.out)
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
     host = {"machine": platform.machine(), "processor": platform.processor() or platform.machine(),
             "cores": os.cpu_count(), "onnxruntime": ort.__version__, "threads": a.threads,
             "load_average_start": [round(x, 2) for x in os.getloadavg()]}
-    cal: dict = {"device_class": "cpu", "host": host,
+    cal: dict = {"device_class": "cpu", "host": host, "model": model_identity(m),
                  "source": f"edge-profile on {platform.node()} ({host['processor']}, {host['cores']} cores, "
                            f"onnxruntime {ort.__version__}, {a.threads} threads), model {m.name}, "
                            f"{time.strftime('%Y-%m-%d %H:%M')}"}
@@ -559,7 +559,7 @@ def budget_chat(model_dir, items, turns: int, context: int, max_tokens: int, bud
     if prog:
         prog.step("chat")
     # the engine plans first at half its window: a budget below plain decoding's bound there is refused at load
-    first = plan_report(m, profile, context // 2, None)
+    first = plan_report(m, profile, context, None, at=context // 2)
     below = round(first["min_budget_plain_mb"] - 10, 1)
     r2 = _chat_cli(model_dir, below, context, calibration, threads, "hello\n/quit\n", max_tokens)
     peak = max((x["measured_peak_rss_mb"] for x in rows), default=None)

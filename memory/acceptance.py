@@ -218,12 +218,29 @@ class AcceptanceStats:
 
     @classmethod
     def from_dict(cls, d: dict) -> "AcceptanceStats":
-        rate = np.asarray(d["rate"], np.float64)
-        s = cls(0.0, beta=d.get("beta", 0.1), prior_weight=d.get("prior_weight", 4.0), max_depth=rate.shape[0],
-                max_rank=rate.shape[1], draft_rate=d.get("draft_rate", 1.0))
+        """The inverse of `to_dict`; ValueError naming what is wrong (a calibration file is user input)."""
+        if not isinstance(d, dict) or "rate" not in d:
+            raise ValueError(f"acceptance entry must be an object with a 'rate' table (got {d!r:.80})")
+        try:
+            rate = np.asarray(d["rate"], np.float64)
+            count = np.asarray(d.get("count", np.zeros_like(rate)), np.float64)
+            nums = {k: float(d.get(k, v)) for k, v in (("beta", 0.1), ("prior_weight", 4.0), ("draft_rate", 1.0),
+                                                        ("draft_count", 0.0))}
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"acceptance entry: not numbers ({e})") from None
+        if rate.ndim != 2 or 0 in rate.shape or not np.all((rate >= 0) & (rate <= 1)):
+            raise ValueError(f"acceptance rate must be a [depth][rank] table of probabilities (got shape "
+                             f"{rate.shape})")
+        if count.shape != rate.shape or not np.all(np.isfinite(count) & (count >= 0)):
+            raise ValueError(f"acceptance count must be a table of counts >= 0 shaped like rate {rate.shape}")
+        if not (0 < nums["beta"] <= 1 and 0 <= nums["draft_rate"] <= 1 and 0 <= nums["prior_weight"] < np.inf
+                and 0 <= nums["draft_count"] < np.inf):
+            raise ValueError(f"acceptance entry: beta in (0, 1], draft_rate in [0, 1], prior_weight and "
+                             f"draft_count finite >= 0 (got {nums})")
+        s = cls(0.0, beta=nums["beta"], prior_weight=nums["prior_weight"], max_depth=rate.shape[0],
+                max_rank=rate.shape[1], draft_rate=nums["draft_rate"])
         s.rate, s._table = rate, None
-        s.count = np.asarray(d.get("count", np.zeros_like(rate)), np.float64)
-        s.draft_count = float(d.get("draft_count", 0.0))
+        s.count, s.draft_count = count, nums["draft_count"]
         return s
 
     def __repr__(self) -> str:

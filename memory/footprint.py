@@ -39,6 +39,8 @@ FLOAT_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int4": 4, "w8a8": 4}
 # edge.drafters.LookupDrafter's own accounting: 8 B per history entry + ~120 B per n-gram index entry, up to
 # (max_ngram - min_ngram + 1) = 4 new n-grams per token.
 LOOKUP_BYTES_PER_TOKEN = 8 + 4 * 120
+# one KV slot past capacity per graph (edge.kv.KVCache): scratch for the pad query row of a full cache
+KV_SCRATCH_SLOTS = 1
 RECYCLING_K = 8
 RECYCLING_PAIR_SLOTS = 1 << 17  # Token Recycling's hashed two-token successor table (edge.drafters)
 
@@ -225,8 +227,8 @@ class Calibration:
             raise ValueError(f"calibration weights={self.weights!r}: 'prepacked' or 'full'")
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, float) and v < 0:
-                raise ValueError(f"calibration {f.name} must be >= 0 (got {v})")
+            if isinstance(v, float) and not 0 <= v < math.inf:
+                raise ValueError(f"calibration {f.name} must be a finite number >= 0 (got {v})")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, device_class: str = "cpu") -> "Calibration":
@@ -239,7 +241,12 @@ class Calibration:
         bad = sorted(set(d) - known)
         if bad:
             raise ValueError(f"unknown memory calibration key(s) {bad}; known: {sorted(known)}")
-        d = {k: (float(v) if isinstance(getattr(base, k), float) else v) for k, v in d.items()}
+        for k, v in d.items():
+            if isinstance(getattr(base, k), float):
+                try:
+                    d[k] = float(v)
+                except (TypeError, ValueError):
+                    raise ValueError(f"memory calibration {k} must be a number (got {v!r})") from None
         return replace(base, **d)
 
     def to_dict(self) -> dict:
@@ -387,7 +394,7 @@ def _session_parts(prefix: str, manifest, graph, calib: Calibration, context: in
         # + edge.runner's per-session arrays: a zero bias row over capacity + MAX_CALL and a causal block
         (f"{prefix}.session", round((calib.session_mb + calib.session_mb_per_layer * graph.layers) * MB)
          + (slots + MAX_CALL) * 4 + MAX_CALL * MAX_CALL * 4),
-        (f"{prefix}.kv", kv_bytes_per_token(a, graph.layers, graph.kv_dtype) * slots),
+        (f"{prefix}.kv", kv_bytes_per_token(a, graph.layers, graph.kv_dtype) * (slots + KV_SCRATCH_SLOTS)),
         (f"{prefix}.logits", max(kept_rows, 1) * graph.vocab * 4),
         (f"{prefix}.arena", arena),
     ]
@@ -412,7 +419,9 @@ def predict_peak(manifest, plan, context: int, calib: Calibration | None = None,
     a = manifest.arch
     target = manifest.target
     rows = max(spec.verify_rows, min_call, verify_rows or 0)
-    slots = max(capacity or 0, context + rows)
+    # a runtime's buffers are what it preallocated (near a full cache it drafts less rather than growing them),
+    # and at least the context plus one plain call
+    slots = context + rows if capacity is None else max(capacity, context + max(min_call, 1))
     parts: list[tuple[str, int]] = [("baseline", round(calib.baseline_mb * MB))]
     tparts, bias = _session_parts("target", manifest, target, calib, context, rows, rows, prefill_chunk, slots)
     if spec.verify_topk:  # ids int64 + probs float32 per kept row instead of the full vocabulary
@@ -422,7 +431,7 @@ def predict_peak(manifest, plan, context: int, calib: Calibration | None = None,
         g = drafter_graph(manifest, spec.draft_graph)
         width = max(spec.draft_width, min_call)
         # the drafter's cache also holds the draft tokens it fed itself before verification
-        dslots = max(capacity or 0, context + spec.nodes + 1)
+        dslots = context + spec.nodes + 1 if capacity is None else max(capacity, context + 1)
         dparts, dbias = _session_parts("drafter", manifest, g, calib, context, width + 1, width, prefill_chunk,
                                        dslots)
         parts += dparts
@@ -432,10 +441,10 @@ def predict_peak(manifest, plan, context: int, calib: Calibration | None = None,
     if spec.sampling:
         q = spec.nodes * a["vocab"] * 8 if spec.drafter == "model" else 0
         parts.append(("verify.work", rows * target.vocab * 4 + q))
-    if spec.drafter in ("lookup", "hybrid"):
-        parts.append(("lookup.state", context * LOOKUP_BYTES_PER_TOKEN))
-    if spec.drafter in ("recycling", "hybrid"):
-        matrix, pairs = recycling_bytes(a["vocab"], spec.recycling_k)
-        parts.append(("recycling.matrix", matrix))
-        parts.append(("recycling.pairs", pairs))
+    # an engine holds the lookup history and Token Recycling's tables whatever drafter runs (recycling learns
+    # from every target call; a re-plan away from lookup keeps its history): counted for every plan
+    parts.append(("lookup.state", context * LOOKUP_BYTES_PER_TOKEN))
+    matrix, pairs = recycling_bytes(a["vocab"], spec.recycling_k)
+    parts.append(("recycling.matrix", matrix))
+    parts.append(("recycling.pairs", pairs))
     return Footprint(context, tuple(parts))

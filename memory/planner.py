@@ -48,9 +48,10 @@ class BudgetError(Exception):
 
     def __init__(self, required_mb: float, available_mb: float, context: int, hint: str = ""):
         self.required_mb, self.available_mb, self.context = required_mb, available_mb, context
+        digits = next(d for d in (1, 2, 3, 6) if round(required_mb, d) != round(available_mb, d) or d == 6)
         super().__init__(
-            f"plain decoding at context {context} needs {required_mb:.1f} MB but the memory budget is "
-            f"{available_mb:.1f} MB; " + (hint or f"raise --budget-mb to at least {math.ceil(required_mb)}"))
+            f"plain decoding at context {context} needs {required_mb:.{digits}f} MB but the memory budget is "
+            f"{available_mb:.{digits}f} MB; " + (hint or f"raise --budget-mb to at least {math.ceil(required_mb)}"))
 
 
 class PlanError(ValueError):
@@ -76,9 +77,14 @@ class LatencyCurve:
     points: tuple[tuple[int, float], ...]
 
     def __post_init__(self):
-        pts = tuple(sorted((int(s), float(t)) for s, t in self.points))
-        if not pts or pts[0][0] < 1 or any(t <= 0 for _, t in pts) or len({s for s, _ in pts}) != len(pts):
-            raise ValueError(f"latency points need distinct S >= 1 and ms > 0 (got {self.points})")
+        try:
+            pts = tuple(sorted((int(s), float(t)) for s, t in self.points))
+        except (TypeError, ValueError, OverflowError):
+            pts = ()
+        if not pts or pts[0][0] < 1 or not all(0 < t < math.inf for _, t in pts) \
+                or len({s for s, _ in pts}) != len(pts):
+            raise ValueError(f"latency points need [S, ms] pairs with distinct S >= 1 and finite ms > 0 "
+                             f"(got {self.points!r})")
         object.__setattr__(self, "points", pts)
 
     @classmethod
@@ -114,11 +120,21 @@ class Latency:
         bad = sorted(set(d) - known)
         if bad:
             raise ValueError(f"unknown latency calibration key(s) {bad}; known: {sorted(known)}")
+        def curve(v, what: str) -> LatencyCurve:
+            try:
+                return LatencyCurve(tuple(map(tuple, v)))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"latency {what}: [[S, ms], ...] with distinct S >= 1 and finite ms > 0 "
+                                 f"(got {v!r:.80})") from e
+
         t = d.get("target")
-        target = LatencyCurve(tuple(map(tuple, t))) if t else \
+        target = curve(t, "target") if t else \
             LatencyCurve.scaled(manifest.target.stats.get("latency_ms_s1") or DEFAULT_T1_MS,
                                 export_verify_shape(manifest.target.stats))
-        measured = {k: LatencyCurve(tuple(map(tuple, v))) for k, v in (d.get("drafters") or {}).items()}
+        drafters = d.get("drafters") or {}
+        if not isinstance(drafters, Mapping):
+            raise ValueError(f"latency drafters must map a drafter graph to [[S, ms], ...] (got {drafters!r})")
+        measured = {k: curve(v, f"drafters[{k!r}]") for k, v in drafters.items()}
         curves = {}
         for g in manifest.drafters:
             if g.name in measured:
@@ -126,8 +142,14 @@ class Latency:
             else:  # no export-time number either: scale the target by the layer ratio
                 t1 = g.stats.get("latency_ms_s1") or target(1) * g.layers / max(manifest.target.layers, 1)
                 curves[g.name] = LatencyCurve.scaled(t1)
-        return cls(target, curves, float(d.get("lookup_ms", DEFAULT_LOOKUP_MS)),
-                   float(d.get("recycling_ms", DEFAULT_RECYCLING_MS)), float(d.get("overhead_ms", 0.0)))
+        ms = {}
+        for k, default in (("lookup_ms", DEFAULT_LOOKUP_MS), ("recycling_ms", DEFAULT_RECYCLING_MS),
+                           ("overhead_ms", 0.0)):
+            v = d.get(k, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"latency {k} must be a finite number of ms >= 0 (got {v!r})")
+            ms[k] = float(v)
+        return cls(target, curves, ms["lookup_ms"], ms["recycling_ms"], ms["overhead_ms"])
 
     def draft_ms(self, spec: Speculation, shape: TreeShape, bucket=lambda s: s) -> float:
         if spec.drafter == "none":
@@ -249,7 +271,7 @@ class _Setup:
 
 def _setup(profile, manifest, stats, calibration, min_call, capacity=None) -> _Setup:
     cal = dict(calibration if calibration is not None else (getattr(profile, "calibration", None) or {}))
-    bad = sorted(set(cal) - {"device_class", "memory", "latency", "acceptance", "source", "host"})
+    bad = sorted(set(cal) - {"device_class", "memory", "latency", "acceptance", "source", "host", "model"})
     if bad:
         raise ValueError(f"unknown calibration section(s) {bad}; known: memory, latency, acceptance")
     # a profile simulated on the CPU uses CPU kernels, so its memory behaves like the CPU's
@@ -335,11 +357,17 @@ def _rank(spec: Speculation, manifest) -> tuple[int, int]:
     return _DRAFTER_RANK[spec.drafter], 0
 
 
-def _within(c: Candidate, ceiling: Plan, manifest) -> bool:
-    """Is candidate `c` no bigger than the plan it replaces (same drafter: no more nodes, no tree after a chain)?"""
+def _within(c: Candidate, ceiling: Plan, manifest, nodes: bool = True) -> bool:
+    """Is candidate `c` no bigger than the plan it replaces (same drafter: no more nodes, no tree after a chain)?
+    `nodes=False`: only a model drafter's session is held back (no larger graph, none once given up); the other
+    drafters' state is held whatever runs, so they and their sizes follow the budget and the acceptance."""
+    if not nodes and c.speculation.drafter != "model":
+        return True
     rc, rp = _rank(c.speculation, manifest), _rank(ceiling.speculation, manifest)
     if rc != rp or c.speculation.draft_graph != ceiling.draft_graph:
         return rc < rp
+    if not nodes:
+        return True
     if c.speculation.nodes > ceiling.nodes:
         return False
     return c.shape.is_chain or ceiling.tree == "best-first"
@@ -390,7 +418,7 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
          calibration: Mapping | None = None, drafters: Sequence[str] | None = None,
          tree_drafters: Sequence[str] = TREE_DRAFTERS, max_k: int = MAX_CHAIN, max_nodes: int = MAX_NODES,
          sampling: bool = False, min_call: int = 1, capacity: int | None = None,
-         ceiling: Plan | None = None) -> Plan:
+         ceiling: Plan | None = None, ceiling_nodes: bool = True) -> Plan:
     """The plan with the highest predicted tokens/s whose predicted peak at `context_len` fits the budget.
 
     stats: AcceptanceStats for every drafter, or {drafter key: AcceptanceStats} (keys "lookup", "recycling",
@@ -398,7 +426,9 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
     calibration: {"memory": {...}, "latency": {...}, "acceptance": {...}}, default the profile's.
     min_call: the runtime pads calls to at least this many rows (GraphSession.min_call).
     capacity: KV slots the runtime already preallocated per graph (None: buffers sized to the context).
-    ceiling: only plans no bigger than this one (see `replan`)."""
+    ceiling: only plans no bigger than this one (see `replan`); `ceiling_nodes=False` holds back only a model
+    drafter (a runtime re-plan: acceptance measured low on one turn must not cap drafting for good, and any plan
+    chosen fits the budget at this context anyway)."""
     budget = budget_mb if budget_mb is not None else getattr(profile, "budget_mb", None)
     if budget is None or not budget > 0:
         raise PlanError(f"no memory budget: pass budget_mb (got {budget!r}) or a device profile with one")
@@ -413,8 +443,9 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
         raise PlanError(f"context {context_len} does not fit {slots} KV positions ({manifest.name} exported for "
                         f"{t.max_len}); lower --context, or load with a larger context / re-export with --max-len")
     drafters = tuple(drafters) if drafters is not None else DEFAULT_DRAFTERS
+    # no candidate is dropped for its verify rows: near a full cache the runtime drafts fewer tokens (edge.engine
+    # caps a draft at the room left), and the footprint prices the full call, an upper bound
     plain, cands = _enumerate(profile, setup, context_len, drafters, tree_drafters, max_k, max_nodes, sampling)
-    cands = [c for c in cands if context_len + c.verify_rows <= slots]
     budget_bytes = budget * MB
     if plain.footprint.total_bytes > budget_bytes:
         fits = _max_context(setup, plain.speculation, plain.verify_rows, 1, context_len - 1, budget_bytes)
@@ -424,7 +455,7 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
             + f"; raise --budget-mb to at least {math.ceil(plain.peak_mb)} or lower --context"
         raise BudgetError(plain.peak_mb, budget, context_len, hint)
     if ceiling is not None:
-        cands = [c for c in cands if _within(c, ceiling, manifest)]
+        cands = [c for c in cands if _within(c, ceiling, manifest, ceiling_nodes)]
     # fastest first (ties: fewer nodes, then the cheaper drafter); the first that fits wins
     cands = [c for c in cands if c.tokens_per_s > plain.tokens_per_s]
     cands.sort(key=lambda c: (-round(c.tokens_per_s, 9), c.speculation.nodes, _rank(c.speculation, manifest)))
@@ -440,12 +471,18 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
     return Plan(
         drafter=spec.drafter, k=spec.nodes if best.shape.is_chain else 0, nodes=spec.nodes,
         tree="none" if spec.drafter == "none" else ("chain" if best.shape.is_chain else "best-first"),
-        max_context=_max_context(setup, spec, best.verify_rows, context_len, slots - best.verify_rows,
+        max_context=_max_context(setup, spec, best.verify_rows, context_len, slots - setup.plain_rows,
                                  budget_bytes),
         peak_mb=best.peak_mb, tokens_per_s=best.tokens_per_s, reason=reason, draft_graph=spec.draft_graph,
         parents=best.shape.parents, ranks=best.shape.ranks, speedup=best.tokens_per_s / plain.tokens_per_s,
         expected_accepted=best.expected_accepted, context=context_len, budget_mb=float(budget),
         plain_peak_mb=plain.peak_mb, verify_rows=best.verify_rows, draft_width=spec.draft_width, sampling=sampling)
+
+
+def fullest(context: int, min_call: int) -> int:
+    """Tokens in the KV cache before the last call an engine of `context` slots makes (it keeps room for one
+    call of `min_call` rows): the context its memory plan must hold at the end of a chat."""
+    return max(1, context - min_call)
 
 
 def replan(previous: Plan, profile, manifest, context_len: int, stats=None, budget_mb: float | None = None,
@@ -470,10 +507,10 @@ def candidates(profile, manifest, context_len: int, stats=None, *, calibration: 
 
 
 def min_budget_plain(manifest, context: int, profile=None, *, calibration: Mapping | None = None,
-                     min_call: int = 1) -> float:
+                     min_call: int = 1, capacity: int | None = None) -> float:
     """The smallest budget (MB) that runs plain decoding at `context`."""
     return candidates(profile, manifest, context, calibration=calibration, drafters=("none",),
-                      min_call=min_call)[0].peak_mb
+                      min_call=min_call, capacity=capacity)[0].peak_mb
 
 
 def min_budget_speculative(manifest, context: int, stats=None, profile=None, **kw) -> float | None:

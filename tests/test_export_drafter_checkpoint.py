@@ -104,7 +104,7 @@ def test_footprint_counts_the_drafter_by_its_own_shape(exported):
     out, m = exported
     g = m.drafters[1]
     fp = dict(predict_peak(m, Speculation(drafter="model", nodes=4, draft_graph=g.name), 200).parts)
-    slots = 200 + 4 + 1
+    slots = 200 + 4 + 1 + 1  # context, draft tokens, the root, the scratch slot
     assert fp["drafter.kv"] == m.kv_bytes_per_token(g) * slots
     w = graph_weight_bytes(m, g)
     assert w.total == g.weight_bytes and abs(w.other) < 0.01 * w.total  # the prediction itself, from its own shape

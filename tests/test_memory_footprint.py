@@ -152,7 +152,7 @@ def test_plain_decoding_breakdown_at_1024():
     fp = predict_peak(M, Speculation(), 1024)
     span = 1025  # 1024 committed + the 1-token call
     assert fp["baseline"] == 85 * MB
-    assert fp["target.kv"] == 46080 * span
+    assert fp["target.kv"] == 46080 * (span + 1)  # + the pad row's scratch slot (edge.kv.KVCache)
     assert fp["target.logits"] == 1 * 49152 * 4
     # prefill chunk of 512 rows dominates: b·S·hidden + e·S·T
     assert fp["target.arena"] == 80 * 512 * 576 + 8 * 512 * span == 27_791_360
@@ -160,8 +160,10 @@ def test_plain_decoding_breakdown_at_1024():
     assert fp["target.session"] == round(16.5 * MB) + (span + 256) * 4 + 256 * 256 * 4
     assert fp["target.weights"] == 117_559_296 + touched(1024) + 2_097_152 + 140_544 + 17
     assert fp.total_bytes == sum(b for _, b in fp.parts)
+    # the engine holds the lookup history and Token Recycling's tables whatever drafter runs
     assert set(fp.breakdown_mb()) == {"baseline", "target.weights", "target.session", "target.kv", "target.logits",
-                                      "target.arena", "runtime.bias"}
+                                      "target.arena", "runtime.bias", "lookup.state", "recycling.matrix",
+                                      "recycling.pairs"}
     assert fp.to_dict()["total_mb"] == round(fp.total_mb, 2)
 
 
@@ -177,7 +179,7 @@ def test_chain_extras_over_plain():
 def test_model_drafter_components():
     ctx, k = 1024, 4
     fp = predict_peak(M, Speculation("model", k, "drafter-l2-v8192"), ctx)
-    assert fp["drafter.kv"] == 3072 * (ctx + k + 1)
+    assert fp["drafter.kv"] == 3072 * (ctx + k + 1 + 1)
     assert fp["drafter.logits"] == 8192 * 4
     assert fp["drafter.id_map"] == 8192 * 8
     drafter_prepacked = 3_538_944 + 2 * 884_736 + 110_592 + 4_718_592 + 2 * 589_824 + 147_456
@@ -192,10 +194,14 @@ def test_preallocated_capacity_sizes_only_the_kv_buffers():
     spec = Speculation("model", 4)
     fp = predict_peak(M, spec, 750, capacity=4096)
     used = predict_peak(M, spec, 750)
-    assert fp["target.kv"] == 46080 * 4096 and fp["drafter.kv"] == 3072 * 4096
+    assert fp["target.kv"] == 46080 * 4097 and fp["drafter.kv"] == 3072 * 4097  # + one scratch slot each
     for part in ("target.arena", "drafter.arena", "runtime.bias", "target.weights", "target.logits"):
         assert fp[part] == used[part]
-    assert predict_peak(M, spec, 750, capacity=10) == used  # never fewer slots than the context needs
+    # a full preallocated cache: the buffers, not the last call's rows (the runtime drafts less there)
+    full = predict_peak(M, spec, 4095, capacity=4096)
+    assert full["target.kv"] == 46080 * 4097 and full["drafter.kv"] == 3072 * 4097
+    small = predict_peak(M, spec, 750, capacity=10)  # never fewer slots than the context and one call need
+    assert small["target.kv"] == 46080 * 752 and small["drafter.kv"] == 3072 * 752
 
 
 def test_recycling_matrix_dtype_follows_vocab():

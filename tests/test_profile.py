@@ -4,7 +4,9 @@ because of it, re-planning that shrinks K as a chat's context grows, /stats, cle
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -162,10 +164,56 @@ def test_calibration_errors_are_clear(tiny_dir, tmp_path):
     with pytest.raises(CalibrationError, match=r"unknown section\(s\) \['memroy'\]"):
         load_calibration(tmp_path / "bad.json")
     (tmp_path / "neg.json").write_text(json.dumps({"memory": {"baseline_mb": -1}}))
-    with pytest.raises(CalibrationError, match="baseline_mb must be >= 0"):
+    with pytest.raises(CalibrationError, match="baseline_mb must be a finite number >= 0"):
         load_calibration(tmp_path / "neg.json")
     with pytest.raises(EngineError, match="missing.json"):
         edge.load(tiny_dir, context=256, calibration=tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("doc,needle", [
+    ({"latency": {"target": 5}}, "latency target"),
+    ({"latency": {"target": [[1, 5], [2, -1]]}}, "latency target"),
+    ({"latency": {"lookup_ms": -5}}, "lookup_ms"),
+    ({"latency": {"overhead_ms": "abc"}}, "overhead_ms"),
+    ({"latency": {"drafters": [1]}}, "latency drafters"),
+    ({"memory": {"baseline_mb": 1e309}}, "baseline_mb must be a finite number"),
+    ({"memory": {"baseline_mb": None}}, "baseline_mb must be a number"),
+    ({"acceptance": [1]}, "section 'acceptance' must be an object"),
+    ({"acceptance": {"lookup": {"rate": [0.5, 0.4]}}}, "acceptance['lookup']"),
+    ({"acceptance": {"lookup": {"rate": [[1.5, 0]]}}}, "table of probabilities"),
+    ({"acceptance": {"lookup": {"rate": [[0.5, 0]], "draft_rate": "x"}}}, "not numbers"),
+    ({"acceptance": {"lookup": 3}}, "acceptance['lookup']"),
+    ({"model": "x"}, "section 'model' must be an object"),
+])
+def test_malformed_calibrations_are_one_clear_error(tmp_path, tiny_dir, doc, needle):
+    f = tmp_path / "cal.json"
+    f.write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match=re.escape(needle)):
+        load_calibration(f)
+    r = _run(["edge.cli", "--model", str(tiny_dir), "--plan", "--budget-mb", "500", "--calibration", str(f)])
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "cal.json" in r.stderr, r.stderr
+
+
+def test_a_calibration_of_another_export_is_refused_and_an_installed_one_ignored(tiny_dir, tmp_path, monkeypatch):
+    from edge.manifest import load_manifest
+    from edge.planning import default_calibration_path, model_identity
+
+    mine = model_identity(load_manifest(tiny_dir))
+    assert mine["target_sha256"] and mine["name"]
+    other = {**mine, "precision": "int4", "target_sha256": "0" * 64}
+    for ident, ok in ((mine, True), (other, False)):
+        f = tmp_path / "cal.json"
+        f.write_text(json.dumps({"model": ident, "latency": {"lookup_ms": 0.02}}))
+        if ok:
+            assert profile_for(None, calibration=f, model_dir=tiny_dir).calibration["latency"]["lookup_ms"] == 0.02
+        else:
+            with pytest.raises(CalibrationError, match="run edge-profile on this model"):
+                profile_for(None, calibration=f, model_dir=tiny_dir)
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    auto = default_calibration_path(tiny_dir)
+    auto.parent.mkdir(parents=True)
+    auto.write_text(json.dumps({"model": other, "latency": {"lookup_ms": 0.02}}))
+    assert not profile_for(None, model_dir=tiny_dir).calibration  # a re-export since --install: not used
 
 
 # ------------------------------------------------------------------------------------------- re-planning in a chat
@@ -187,6 +235,88 @@ def test_replanning_shrinks_k_as_the_chat_context_grows(tiny_dir, tmp_path):
         sizes.append(e.plan.nodes)
         assert e.plan.peak_mb <= budget
     assert sizes == sorted(sizes, reverse=True) and sizes[-1] < sizes[0], sizes
+
+
+def test_a_planned_engine_answers_whatever_a_plain_one_does(tiny_dir, tmp_path):
+    """A budget must not refuse requests an engine without one answers: prompt + max_tokens reaching the whole
+    context (it ends with "length"), in one request and in a chat, greedy output unchanged."""
+    cal = calibration(tmp_path, 0.9)
+    free, planned = edge.load(tiny_dir, context=64), edge.load(tiny_dir, context=64, calibration=cal, budget_mb=1e5)
+    for e in (free, planned):
+        r = e.generate("the quick brown fox", max_tokens=200, drafter="none")
+        assert r.finish_reason == "length" and r.stats.prompt_tokens + r.stats.generated >= 62
+    ref = free.generate("the quick brown fox", max_tokens=200, drafter="none").token_ids
+    assert planned.generate("the quick brown fox", max_tokens=200).token_ids == ref
+    chat = planned.chat()
+    for _ in range(3):
+        try:
+            chat.ask("the quick brown fox", max_tokens=20)
+        except edge.ContextFull:  # the chat's own limit, as without a plan
+            break
+    assert planned.plan.context <= 64 - planned.target.min_call
+
+
+def test_a_plan_decides_the_drafter_and_refuses_one_it_did_not_budget(tiny_dir, tmp_path):
+    """edge-chat passes its --drafter (default auto) with every request: under a plan that means the plan's drafter,
+    capped at its draft length. A drafter the plan's memory does not cover is refused, plain decoding never is.
+    Loaded with a drafter, the planner chooses between it and plain decoding."""
+    cal = calibration(tmp_path, 0.9)
+    e = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=1e5, drafter="lookup")
+    assert e.plan.drafter in ("lookup", "none")
+    for asked in ("auto", "lookup", None):
+        assert e.generate("the quick brown fox", max_tokens=8, drafter=asked).stats.drafter == e.plan.drafter
+    assert e.generate("the quick brown fox", max_tokens=8, drafter="none").stats.drafter == "none"
+    with pytest.raises(EngineError, match="outside this engine's memory plan"):
+        e.generate("the quick brown fox", max_tokens=8, drafter="model")
+    e = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=1e5)
+    drafted = e.generate("the quick brown fox jumps over the lazy dog " * 3, max_tokens=24, drafter="auto",
+                         draft_len=64).stats
+    assert drafted.drafter == e.plan.drafter != "none"
+    assert drafted.drafted <= drafted.steps * e.plan.nodes  # the plan's cap holds for a fixed length too
+
+
+def test_replanning_follows_acceptance_both_ways_and_reset_plans_afresh(tiny_dir, tmp_path):
+    """Re-plans do not ratchet: a turn of poor acceptance shortens drafting (or changes the drafter), a good one
+    brings it back. reset() empties the context and plans as at load. Sampling requests are planned with their work
+    arrays."""
+    from memory import AcceptanceStats
+
+    e = edge.load(tiny_dir, context=256, calibration=calibration(tmp_path, 0.9), budget_mb=1e5)
+    first = e.plan
+    kind = first.drafter
+    e.acceptance[kind] = AcceptanceStats(0.05)
+    low = e._replan(100, e.plan)
+    e.acceptance[kind] = AcceptanceStats(0.95)
+    high = e._replan(100, low)
+    assert high.drafter == kind and (low.drafter != kind or low.nodes < high.nodes), (low.reason, high.reason)
+    e.plan = low
+    e.acceptance.pop(kind)
+    e.reset()
+    assert e.plan == first
+    e.generate("the quick brown fox", max_tokens=4, temperature=0.8, seed=1)
+    assert e.plan.sampling
+
+
+def test_prefill_runs_in_the_device_profiles_chunks(tiny_dir, tmp_path):
+    """The plan counts the profile's prefill chunk (its activation arena); the engine prefills in that chunk."""
+    prof = json.loads((Path(edge.__file__).parents[1] / "devices/profiles/android-phone-8gb.json").read_text())
+    (tmp_path / "phone.json").write_text(json.dumps({**prof, "name": "phone-chunk-16", "prefill_chunk": 16}))
+    e = edge.load(tiny_dir, context=256, device=str(tmp_path / "phone.json"), simulate=True)
+    widths, forward = [], e.target.forward
+    e.target.forward = lambda tokens, *a, **k: widths.append(len(tokens)) or forward(tokens, *a, **k)
+    r = e.generate("the quick brown fox jumps over the lazy dog " * 6, max_tokens=2, drafter="none", raw=True)
+    assert r.stats.prompt_tokens > 40 and widths[:3] == [16, 16, 16] and max(widths) == 16
+
+
+def test_predicted_kv_bytes_are_the_allocated_buffers(tiny_dir):
+    from memory import Speculation
+
+    e = edge.load(tiny_dir, context=200, drafter="model")
+    e.generate("the quick brown fox", max_tokens=4)  # opens the drafter session
+    fp = predict_peak(e.manifest, Speculation("model", 4, e._drafter_graph), 150, min_call=e.target.min_call,
+                      capacity=e.context)
+    assert fp["target.kv"] == e.target.cache.buf.nbytes
+    assert fp["drafter.kv"] == e._drafter_sess.cache.buf.nbytes
 
 
 def test_stats_shows_plan_predicted_and_measured_memory(tiny_dir):
