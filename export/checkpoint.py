@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "llama",
 }
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}  # a config.json without "architectures"
 
 
 class CheckpointError(Exception):
@@ -113,19 +114,42 @@ _HF_REQUIRED = ("num_attention_heads", "hidden_size", "num_hidden_layers", "inte
 
 
 def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
+    """The shape our graph builder needs. Every option that changes the math and that export/graph.py does not
+    implement is refused here, before any work: an export that runs but computes another model than the checkpoint
+    is worse than a refusal (its parity check shares the builder's assumptions and would not notice)."""
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else cfg.get("model_type", "?")
-    family = SUPPORTED_ARCHITECTURES.get(arch)
+    family = SUPPORTED_ARCHITECTURES.get(arch) if archs else _MODEL_TYPES.get(arch)
     if family is None:
         raise CheckpointError(
             f"{where}: architecture {arch!r} is not supported by the fast exporter; supported: "
             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (other decoder-only models: edge-export --via optimum)"
         )
-    if cfg.get("rope_scaling") not in (None, {}) and (cfg["rope_scaling"] or {}).get("rope_type", "default") != "default":
-        raise CheckpointError(f"{where}: rope_scaling {cfg['rope_scaling']} is not supported yet")
+    via = "edge-export --via optimum exports it"
+    rs = cfg.get("rope_scaling") or {}
+    rope = rs.get("rope_type", rs.get("type", "default")) if isinstance(rs, dict) else rs  # "type": older configs
+    if rope != "default":
+        raise CheckpointError(f"{where}: rope_scaling {cfg['rope_scaling']} is not supported by the fast exporter "
+                              f"yet; {via}")
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(f"{where}: hidden_act {act!r}: the fast exporter's MLP is SiLU-gated; {via}")
+    if cfg.get("mlp_bias"):
+        raise CheckpointError(f"{where}: mlp_bias (biases on the MLP projections) is not supported by the fast "
+                              f"exporter; {via}")
+    if family == "llama" and cfg.get("attention_bias"):
+        raise CheckpointError(f"{where}: attention_bias (q/k/v/o biases) is not supported by the fast exporter; "
+                              f"{via}")
     missing = [k for k in _HF_REQUIRED if k not in cfg]
     if missing:
         raise CheckpointError(f"{where}: no {', '.join(missing)}; not a complete {arch} config")
+    max_positions = int(cfg.get("max_position_embeddings", 2048))
+    # sliding-window attention (Mistral; Qwen2 with use_sliding_window) equals full attention while every position
+    # is inside the window: the export is capped there, which is exact
+    window = cfg.get("sliding_window") if arch == "MistralForCausalLM" or cfg.get("model_type") == "mistral" or \
+        cfg.get("use_sliding_window") else None
+    if window:
+        max_positions = min(max_positions, int(window))
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     eos = cfg.get("eos_token_id")
@@ -141,9 +165,9 @@ def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
         vocab=cfg["vocab_size"],
         rope_theta=float(cfg.get("rope_theta", 10000.0)),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_positions=int(cfg.get("max_position_embeddings", 2048)),
+        max_positions=max_positions,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=family == "qwen2" or bool(cfg.get("attention_bias", False)),
+        qkv_bias=family == "qwen2",
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
     )
@@ -176,11 +200,18 @@ def _check_weights(config: ArchConfig, w: dict, where: str) -> None:
                   "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
             need.append(f"model.layers.{i}.{n}.weight")
         need += [f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"]
+        if config.qkv_bias:
+            need += [f"model.layers.{i}.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
     missing = [n for n in need if n not in w]
     if missing:
         raise CheckpointError(f"{where}: {len(missing)} weights missing, e.g. {missing[0]}")
     if not config.tie_embeddings and "lm_head.weight" not in w:
         raise CheckpointError(f"{where}: untied embeddings but no lm_head.weight")
+    # a tensor the graph would not use (a bias, a norm) means the checkpoint computes something the export would not
+    unused = sorted(n for n in set(w) - set(need) - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise CheckpointError(f"{where}: {len(unused)} weight(s) the fast exporter does not implement, e.g. "
+                              f"{unused[0]}; edge-export --via optimum exports other layer variants")
 
 
 # ----------------------------------------------------------------------------- GGUF
@@ -238,6 +269,9 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     missing = [p + k for k in _GGUF_REQUIRED if p + k not in f]
     if missing:
         raise CheckpointError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
+    scaling = f.get(p + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise CheckpointError(f"{path}: rope scaling {scaling!r} is not supported by the fast exporter yet")
     heads = int(f[p + "attention.head_count"])
     kv_heads = int(f.get(p + "attention.head_count_kv", heads))
     hidden = int(f[p + "embedding_length"])
@@ -247,6 +281,9 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost-first
         arr = arr.reshape(shape)
         name = t.name
+        if name == "rope_freqs.weight":  # llama.cpp's per-frequency rope factors (Llama 3.1's rope scaling)
+            raise CheckpointError(f"{path}: rope frequency factors (rope_freqs.weight, Llama 3.x rope scaling) are "
+                                  "not supported by the fast exporter yet")
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -255,15 +292,14 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
             hf = "lm_head.weight"
         elif name.startswith("blk."):
             _, i, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_NAMES:
-                continue  # e.g. rope_freqs: recomputed from rope_theta
-            hf = f"model.layers.{i}.{_GGUF_NAMES[kind]}.{suffix}"
+            # a kind we do not map keeps its GGUF name: _check_weights refuses it rather than the export dropping it
+            hf = f"model.layers.{i}.{_GGUF_NAMES[kind]}.{suffix}" if kind in _GGUF_NAMES else name
             if arch == "llama" and kind == "attn_q" and suffix == "weight":
                 arr = _unpermute(arr, heads)
             elif arch == "llama" and kind == "attn_k" and suffix == "weight":
                 arr = _unpermute(arr, kv_heads)
         else:
-            continue
+            hf = name  # refused by _check_weights
         weights[hf] = np.ascontiguousarray(arr)
     emb = weights.get("model.embed_tokens.weight")
     vocab = int(f.get(p + "vocab_size", emb.shape[0] if emb is not None else 0))

@@ -1,0 +1,100 @@
+"""Checkpoint options our graph builder does not compute are refused before any work, not exported with the option
+dropped. Each refused case below used to export "successfully" with a perfect parity report (the numpy reference
+shares the builder's assumptions) while computing another model: 2.1–11.0 max |Δlogit| from transformers, top-1
+agreement 0.18–0.76. Sliding-window attention is exact below the window, so those exports are capped there."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import VOCAB, build_checkpoint, tiny_export_options
+from export.checkpoint import CheckpointError, load_hf_dir
+
+
+def _legacy(d, rope_scaling: dict) -> None:
+    """Older configs (deepseek-coder, the Qwen2.5 model cards' YaRN snippet) name the rope type "type"."""
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = rope_scaling
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("family,config,legacy,needle", [
+    ("llama", {}, {"type": "linear", "factor": 4.0}, "rope_scaling"),
+    ("qwen2", {}, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, "rope_scaling"),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, None, "rope_scaling"),
+    ("llama", {"attention_bias": True}, None, "attention_bias"),
+    ("llama", {"mlp_bias": True}, None, "mlp_bias"),
+    ("llama", {"hidden_act": "gelu"}, None, "hidden_act 'gelu'"),
+])
+def test_options_the_graph_does_not_compute_are_refused(tmp_path, family, config, legacy, needle):
+    d = tmp_path / "ck"
+    build_checkpoint(d, family, layers=1, **config)
+    if legacy:
+        _legacy(d, legacy)
+    with pytest.raises(CheckpointError, match=needle) as e:
+        load_hf_dir(d)
+    assert "--via optimum" in str(e.value)
+
+
+def test_weights_the_graph_would_not_use_are_refused(tmp_path):
+    """A config that does not announce its biases (or a layer kind we do not know): the weights give it away."""
+    d = tmp_path / "ck"
+    build_checkpoint(d, "llama", layers=1, attention_bias=True)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["attention_bias"] = False
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"does not implement, e\.g\. model\.layers\.0\.self_attn\.\w_proj\.bias"):
+        load_hf_dir(d)
+
+
+def test_refusal_is_one_line_from_the_cli(tmp_path):
+    d = tmp_path / "ck"
+    build_checkpoint(d, "llama", layers=1, mlp_bias=True)
+    r = subprocess.run([sys.executable, "-m", "export.cli", str(d), "-o", str(tmp_path / "out"), "-q"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "mlp_bias" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_a_config_without_architectures_uses_its_model_type(tmp_path):
+    d = tmp_path / "ck"
+    build_checkpoint(d, "llama", layers=1)
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["architectures"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert load_hf_dir(d).config.family == "llama"
+
+
+@pytest.mark.parametrize("family,config", [
+    ("mistral", {"sliding_window": 32}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 0}),
+])
+def test_sliding_window_exports_are_capped_at_the_window_and_exact_there(tmp_path, family, config):
+    import torch
+
+    from edge.runner import GraphSession
+    from export.pipeline import export_model
+
+    d = tmp_path / "ck"
+    model = build_checkpoint(d, family, layers=2, **config)
+    m = export_model(d, tmp_path / "out", tiny_export_options(drafters=(), parity=False), progress=False)
+    assert m.target.max_len == 32 and m.arch["max_positions"] == 32
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, VOCAB, 32)]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    sess = GraphSession(str(tmp_path / "out" / m.target.file), m, m.target, 32)
+    got = sess.forward(ids, keep=len(ids))
+    np.testing.assert_allclose(got, ref, atol=2e-4, rtol=0)
+    # the negative control: past the window, the checkpoint is another function of the tokens than the same
+    # weights with full attention (what an uncapped export computes)
+    full = build_checkpoint(tmp_path / "full", family, layers=2)
+    longer = [int(t) for t in np.random.default_rng(1).integers(3, VOCAB, 48)]
+    with torch.no_grad():
+        assert np.array_equal(full(torch.tensor([ids])).logits[0].numpy(), ref)  # same weights
+        windowed = model(torch.tensor([longer])).logits[0, -1].numpy()
+        unwindowed = full(torch.tensor([longer])).logits[0, -1].numpy()
+    assert np.abs(windowed - unwindowed).max() > 1e-2
