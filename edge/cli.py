@@ -234,6 +234,10 @@ def _print_plan(a) -> int:
         print(f"edge-chat: error: {e}", file=sys.stderr)
         return 2
     m = load_manifest(d, verify="none")
+    if a.context and a.context > m.target.max_len:  # as edge.load says it
+        print(f"edge-chat: error: --context {a.context} is more than the {m.target.max_len} tokens {d} was exported "
+              "for", file=sys.stderr)
+        return 2
     rep = plan_report(m, profile, a.context or min(DEFAULT_CONTEXT, m.target.max_len), a.budget_mb)
     if a.json:
         print(json.dumps(rep))

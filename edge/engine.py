@@ -24,7 +24,7 @@ from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 from memory.acceptance import MEASURED_TOKEN_PRIORS, AcceptanceStats, TokenAcceptance
 from memory.footprint import PREFILL_CHUNK, drafter_graph
 from memory.planner import (DEFAULT_PRIORS, LatencyCurve, best_chain_length, best_prefix, export_verify_shape,
-                            fullest)
+                            fullest, plain_call_rows)
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .manifest import VERIFY_LEVELS, ModelDirError, check_drafter, load_manifest
@@ -236,11 +236,10 @@ class Engine:
         # memory planning: with a device profile or budget, the plan picks drafter and K and is re-made as the
         # context grows (shrinking only); without, the drafter runs unconstrained
         self.profile, self.budget_mb, self.plan = profile, budget_mb, None
-        self._auto = drafter == "auto"
         self._configured = drafter  # with a plan: the drafter it may choose ("auto": any), or plain decoding
         if profile is not None or budget_mb is not None:
             try:
-                self.plan = self._replan(self.context // 2, None)
+                self.plan = self._replan(self.context // 2)
             except EngineError as e:
                 from memory.planner import BudgetError
 
@@ -251,11 +250,10 @@ class Engine:
                                   f"chat grows; `edge-chat --plan --context {self.context}` shows the need at the "
                                   "full context)") from e.__cause__
 
-    def _replan(self, context: int, previous, sampling: bool = False):
-        """The memory plan at `context` tokens (previous: the plan it replaces; a model drafter once given up is
-        not taken back).
-        The plan decides the drafter this engine runs; a model drafter's session is dropped once a plan stops
-        using it (its memory is no longer budgeted)."""
+    def _replan(self, context: int, sampling: bool = False):
+        """The best memory plan at `context` tokens, from the acceptance measured so far. It decides the drafter
+        this engine runs; a model drafter's session is dropped when a plan stops using it (its memory is no longer
+        budgeted) and reopened when one uses it again."""
         from memory.planner import BudgetError, PlanError
 
         from .planning import make_plan, profile_for
@@ -268,7 +266,7 @@ class Engine:
         try:
             pl = make_plan(self.manifest, self.profile, max(1, context), self.budget_mb, stats=stats,
                            min_call=self.target.min_call, capacity=self.context, tree_exact=self.target.tree_exact,
-                           previous=previous, drafter=self._configured, sampling=sampling)
+                           drafter=self._configured, sampling=sampling)
         except (BudgetError, PlanError) as e:
             raise EngineError(str(e)) from e
         self.default_drafter = pl.drafter
@@ -277,19 +275,20 @@ class Engine:
         return pl
 
     def _planned_drafter(self, asked: str | None) -> str:
-        """The drafter a request runs. Without a plan: the one asked for, else the engine's. With one: the plan's,
-        unless the request asks for plain decoding or a drafter the plan's memory already covers (hybrid holds
-        lookup's and recycling's state); another drafter is refused, not run over the budget."""
+        """The drafter a request runs. Without a plan: the one asked for, else the engine's. With one: the plan's
+        when the request leaves it to the engine ("auto", or the drafter it was loaded with); lookup, recycling and
+        hybrid when asked (their state is in every plan's footprint; they draft at most the plan's nodes); a model
+        drafter only if the plan budgeted its session, else refused rather than run over the budget."""
         if self.plan is None:
             return self._resolve(asked or self.default_drafter)
         have = self.plan.drafter
-        if asked in (None, "auto", self._configured, have):
+        if asked in (None, "auto", self._configured):
             return have
-        if asked == "none" or (have == "hybrid" and asked in ("lookup", "recycling")):
+        if asked != "model" or have == "model":
             return self._resolve(asked)
-        raise EngineError(f"drafter {asked!r} is outside this engine's memory plan (drafter {have} at "
-                          f"{self.plan.budget_mb:g} MB); leave the drafter unset to follow the plan, or load the "
-                          f"engine with drafter={asked!r}")
+        raise EngineError(f"drafter 'model' is outside this engine's memory plan (drafter {have} at "
+                          f"{self.plan.budget_mb:g} MB: no room for its session); leave the drafter unset to follow "
+                          "the plan, or load the engine with drafter='model'")
 
     def _verify_ms(self, s: int) -> float:
         """Measured mean call time at width s, else the export's measured curve (or the default one) scaled to the
@@ -521,8 +520,9 @@ class Engine:
         p.check(room)
         rng = np.random.default_rng(p.seed)
         if self.plan is not None:  # the context grows with every turn: re-plan
-            end = min(fullest(self.context, self.target.min_call), len(ids) + p.max_tokens)
-            self.plan = self._replan(end, self.plan, sampling=p.temperature > 0)
+            rows = plain_call_rows(self.profile, self.target.min_call)
+            end = min(fullest(self.context, rows), len(ids) + p.max_tokens)
+            self.plan = self._replan(end, sampling=p.temperature > 0)
         kind = self._planned_drafter(p.drafter)  # also refuses a drafter this export cannot run, with the fix named
         drafter, k = self._drafter(kind, p, rng)
         if self.plan is not None:
@@ -650,8 +650,8 @@ class Engine:
         if not keep_drafter_state:
             self.recycling = RecyclingDrafter(self.manifest.arch["vocab"], chains_only=not self.target.tree_exact)
             self.lookup = LookupDrafter()
-        if self.plan is not None:  # an empty context: planned afresh, as at load
-            self.plan = self._replan(self.context // 2, None)
+        if self.plan is not None:  # an empty context: planned as at load
+            self.plan = self._replan(self.context // 2)
 
 
 def _normalize(kw: dict) -> dict:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from devices import check_available, detect_host, load_profile
 from memory.footprint import Calibration
 from memory.planner import (BudgetError, Latency, Plan, PlanError, fullest, min_budget_plain, min_budget_speculative,
-                            plan)
+                            plain_call_rows, plan)
 
 from .manifest import Manifest
 
@@ -117,18 +117,15 @@ def capabilities(manifest: Manifest, tree_exact: bool | None = None) -> dict:
 
 def make_plan(manifest: Manifest, profile, context: int, budget_mb: float | None, *, stats=None, min_call: int = 2,
               capacity: int | None = None, tree_exact: bool | None = None, sampling: bool = False,
-              previous: Plan | None = None, drafter: str = "auto") -> Plan:
+              drafter: str = "auto") -> Plan:
     """The plan for this export. `drafter`: "auto" lets the planner choose among what the export can run; another
-    name restricts it to that drafter or plain decoding. `previous`: a runtime re-plan, which never goes back to a
-    model drafter it gave up (its session's memory); the rest follows the budget and the measured acceptance."""
+    name restricts it to that drafter or plain decoding."""
     caps = capabilities(manifest, tree_exact)
     if drafter != "auto":
         caps = {"drafters": tuple(d for d in caps["drafters"] if d in ("none", drafter)),
                 "tree_drafters": tuple(d for d in caps["tree_drafters"] if d == drafter)}
-    kw = dict(stats=stats, budget_mb=budget_mb, min_call=min_call, capacity=capacity, sampling=sampling, **caps)
-    if previous is not None:
-        return plan(profile, manifest, context, ceiling=previous, ceiling_nodes=False, **kw)
-    return plan(profile, manifest, context, **kw)
+    return plan(profile, manifest, context, stats=stats, budget_mb=budget_mb, min_call=min_call, capacity=capacity,
+                sampling=sampling, **caps)
 
 
 def plan_report(manifest: Manifest, profile, context: int, budget_mb: float | None, min_call: int = 2,
@@ -136,7 +133,7 @@ def plan_report(manifest: Manifest, profile, context: int, budget_mb: float | No
     """What `edge-chat --plan --json` prints for an engine of `context` slots holding `at` tokens (default: full):
     the plan, predicted peaks, and both lower bounds."""
     caps = capabilities(manifest)
-    last = fullest(context, min_call) if at is None else at
+    last = fullest(context, plain_call_rows(profile, min_call)) if at is None else at
     out = {"device": profile.name, "simulated": getattr(profile, "simulated", False), "context": context,
            "calibration": (profile.calibration or {}).get("source"),
            "budget_mb": budget_mb if budget_mb is not None else profile.budget_mb,

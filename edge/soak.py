@@ -77,12 +77,14 @@ def within_bounds(state: dict) -> list[str]:
 
 def predicted_mb(engine) -> dict:
     """The planner's predicted peak for this engine at its full context (and for plain decoding)."""
+    from memory.planner import fullest, plain_call_rows
+
     from .planning import make_plan, profile_for
 
     profile = engine.profile or profile_for(None)
-    context = engine.context - 64  # the planner keeps room for a verify call's speculative slack
+    context = fullest(engine.context, plain_call_rows(profile, engine.target.min_call))  # the engine's end of chat
     p = make_plan(engine.manifest, profile, context, None, min_call=engine.target.min_call,
-                  capacity=engine.context, tree_exact=engine.target.tree_exact)
+                  capacity=engine.context, tree_exact=engine.target.tree_exact, drafter=engine._configured)
     return {"drafter": p.drafter, "context": context, "peak_mb": round(p.peak_mb, 1),
             "plain_peak_mb": round(p.plain_peak_mb, 1)}
 

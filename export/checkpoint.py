@@ -126,11 +126,13 @@ def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (other decoder-only models: edge-export --via optimum)"
         )
     via = "edge-export --via optimum exports it"
-    rs = cfg.get("rope_scaling") or {}
-    rope = rs.get("rope_type", rs.get("type", "default")) if isinstance(rs, dict) else rs  # "type": older configs
-    if rope != "default":
-        raise CheckpointError(f"{where}: rope_scaling {cfg['rope_scaling']} is not supported by the fast exporter "
-                              f"yet; {via}")
+    # rope_parameters: newer transformers' name for rope_theta + rope_scaling; "type": older configs' rope_type.
+    # Dynamic NTK scaling is plain rope up to max_position_embeddings, which the export never passes.
+    rp = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    rs = cfg.get("rope_scaling") or rp
+    rope = rs.get("rope_type", rs.get("type", "default")) if isinstance(rs, dict) else rs
+    if rope not in ("default", "dynamic"):
+        raise CheckpointError(f"{where}: rope scaling {rs} is not supported by the fast exporter yet; {via}")
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise CheckpointError(f"{where}: hidden_act {act!r}: the fast exporter's MLP is SiLU-gated; {via}")
@@ -163,7 +165,7 @@ def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
         head_dim=cfg.get("head_dim") or hidden // heads,
         intermediate=cfg["intermediate_size"],
         vocab=cfg["vocab_size"],
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_theta=float(cfg.get("rope_theta", rp.get("rope_theta", 10000.0))),
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_positions=max_positions,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -183,7 +185,7 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
     except ValueError as e:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
     config = _config_from_hf(cfg, str(cfg_file))
-    files = sorted(path.glob("*.safetensors"))
+    files = _weight_files(path)
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weights (pytorch .bin files: re-save with safe_serialization=True)")
     weights: dict[str, np.ndarray] = {}
@@ -191,6 +193,25 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
         weights.update(read_safetensors(f))
     _check_weights(config, weights, str(path))
     return Checkpoint(config, weights, str(path), "hf")
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The transformers weights of a checkpoint directory: the shards its index names, else model.safetensors,
+    else every *.safetensors but a native copy (Mistral's repos ship consolidated.safetensors beside the HF
+    shards, with other tensor names)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({e})") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{index}: names {missing[0]}, which is not in {path}")
+        return [path / n for n in names]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    return sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("consolidated"))
 
 
 def _check_weights(config: ArchConfig, w: dict, where: str) -> None:

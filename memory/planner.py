@@ -357,17 +357,11 @@ def _rank(spec: Speculation, manifest) -> tuple[int, int]:
     return _DRAFTER_RANK[spec.drafter], 0
 
 
-def _within(c: Candidate, ceiling: Plan, manifest, nodes: bool = True) -> bool:
-    """Is candidate `c` no bigger than the plan it replaces (same drafter: no more nodes, no tree after a chain)?
-    `nodes=False`: only a model drafter's session is held back (no larger graph, none once given up); the other
-    drafters' state is held whatever runs, so they and their sizes follow the budget and the acceptance."""
-    if not nodes and c.speculation.drafter != "model":
-        return True
+def _within(c: Candidate, ceiling: Plan, manifest) -> bool:
+    """Is candidate `c` no bigger than the plan it replaces (same drafter: no more nodes, no tree after a chain)?"""
     rc, rp = _rank(c.speculation, manifest), _rank(ceiling.speculation, manifest)
     if rc != rp or c.speculation.draft_graph != ceiling.draft_graph:
         return rc < rp
-    if not nodes:
-        return True
     if c.speculation.nodes > ceiling.nodes:
         return False
     return c.shape.is_chain or ceiling.tree == "best-first"
@@ -418,7 +412,7 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
          calibration: Mapping | None = None, drafters: Sequence[str] | None = None,
          tree_drafters: Sequence[str] = TREE_DRAFTERS, max_k: int = MAX_CHAIN, max_nodes: int = MAX_NODES,
          sampling: bool = False, min_call: int = 1, capacity: int | None = None,
-         ceiling: Plan | None = None, ceiling_nodes: bool = True) -> Plan:
+         ceiling: Plan | None = None) -> Plan:
     """The plan with the highest predicted tokens/s whose predicted peak at `context_len` fits the budget.
 
     stats: AcceptanceStats for every drafter, or {drafter key: AcceptanceStats} (keys "lookup", "recycling",
@@ -426,9 +420,7 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
     calibration: {"memory": {...}, "latency": {...}, "acceptance": {...}}, default the profile's.
     min_call: the runtime pads calls to at least this many rows (GraphSession.min_call).
     capacity: KV slots the runtime already preallocated per graph (None: buffers sized to the context).
-    ceiling: only plans no bigger than this one (see `replan`); `ceiling_nodes=False` holds back only a model
-    drafter (a runtime re-plan: acceptance measured low on one turn must not cap drafting for good, and any plan
-    chosen fits the budget at this context anyway)."""
+    ceiling: only plans no bigger than this one (see `replan`)."""
     budget = budget_mb if budget_mb is not None else getattr(profile, "budget_mb", None)
     if budget is None or not budget > 0:
         raise PlanError(f"no memory budget: pass budget_mb (got {budget!r}) or a device profile with one")
@@ -440,8 +432,9 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
     # KV slots a verify call may reach: what the export's rotary tables cover, or what the runtime allocated
     slots = min(t.max_len or 1 << 30, capacity or 1 << 30)
     if context_len + setup.plain_rows > slots:
-        raise PlanError(f"context {context_len} does not fit {slots} KV positions ({manifest.name} exported for "
-                        f"{t.max_len}); lower --context, or load with a larger context / re-export with --max-len")
+        raise PlanError(f"context {context_len} and a {setup.plain_rows}-row call do not fit {slots} KV positions "
+                        f"({manifest.name} exported for {t.max_len}); lower --context, or load with a larger context "
+                        "/ re-export with --max-len")
     drafters = tuple(drafters) if drafters is not None else DEFAULT_DRAFTERS
     # no candidate is dropped for its verify rows: near a full cache the runtime drafts fewer tokens (edge.engine
     # caps a draft at the room left), and the footprint prices the full call, an upper bound
@@ -455,7 +448,7 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
             + f"; raise --budget-mb to at least {math.ceil(plain.peak_mb)} or lower --context"
         raise BudgetError(plain.peak_mb, budget, context_len, hint)
     if ceiling is not None:
-        cands = [c for c in cands if _within(c, ceiling, manifest, ceiling_nodes)]
+        cands = [c for c in cands if _within(c, ceiling, manifest)]
     # fastest first (ties: fewer nodes, then the cheaper drafter); the first that fits wins
     cands = [c for c in cands if c.tokens_per_s > plain.tokens_per_s]
     cands.sort(key=lambda c: (-round(c.tokens_per_s, 9), c.speculation.nodes, _rank(c.speculation, manifest)))
@@ -479,10 +472,16 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
         plain_peak_mb=plain.peak_mb, verify_rows=best.verify_rows, draft_width=spec.draft_width, sampling=sampling)
 
 
-def fullest(context: int, min_call: int) -> int:
+def plain_call_rows(profile, min_call: int) -> int:
+    """Rows of a plain decoding call: `min_call`, padded up to the profile's smallest shape bucket holding it."""
+    rows = max(1, min_call)
+    return next((b for b in sorted(getattr(profile, "shape_buckets", ()) or ()) if b >= rows), rows)
+
+
+def fullest(context: int, rows: int) -> int:
     """Tokens in the KV cache before the last call an engine of `context` slots makes (it keeps room for one
-    call of `min_call` rows): the context its memory plan must hold at the end of a chat."""
-    return max(1, context - min_call)
+    plain call of `rows` rows, `plain_call_rows`): the context its memory plan must hold at the end of a chat."""
+    return max(1, context - rows)
 
 
 def replan(previous: Plan, profile, manifest, context_len: int, stats=None, budget_mb: float | None = None,

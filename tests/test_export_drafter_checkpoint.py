@@ -232,7 +232,7 @@ def test_replanning_credits_measured_acceptance_to_the_graph_that_earned_it(expo
         return real(manifest, profile, context, budget, stats=stats, **kw)
 
     monkeypatch.setattr(edge.planning, "make_plan", spy)
-    e._replan(64, None)
+    e._replan(64)
     assert "model" not in seen and seen[ran].rate[0, 0] == pytest.approx(0.9)
     other = next(g for g in m.drafters if g.name != ran)
     e.plan = SimpleNamespace(drafter="model", draft_graph=other.name)

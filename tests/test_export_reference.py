@@ -110,5 +110,5 @@ def test_rope_scaling_rejected(tmp_path, tiny_llama_dir):
     cfg = json.loads((d / "config.json").read_text())
     cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(CheckpointError, match="rope_scaling"):
+    with pytest.raises(CheckpointError, match="rope scaling"):
         load_hf_dir(d)

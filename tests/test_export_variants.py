@@ -23,9 +23,9 @@ def _legacy(d, rope_scaling: dict) -> None:
 
 
 @pytest.mark.parametrize("family,config,legacy,needle", [
-    ("llama", {}, {"type": "linear", "factor": 4.0}, "rope_scaling"),
-    ("qwen2", {}, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, "rope_scaling"),
-    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, None, "rope_scaling"),
+    ("llama", {}, {"type": "linear", "factor": 4.0}, "rope scaling"),
+    ("qwen2", {}, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, "rope scaling"),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, None, "rope scaling"),
     ("llama", {"attention_bias": True}, None, "attention_bias"),
     ("llama", {"mlp_bias": True}, None, "mlp_bias"),
     ("llama", {"hidden_act": "gelu"}, None, "hidden_act 'gelu'"),
@@ -58,6 +58,43 @@ def test_refusal_is_one_line_from_the_cli(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "mlp_bias" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_rope_variants_that_equal_plain_rope_inside_the_export_load(tmp_path):
+    """Dynamic NTK scaling only changes positions past max_position_embeddings, which the export never reaches;
+    newer transformers' `rope_parameters` carry rope_theta (and a scaling we refuse like the old key)."""
+    d = tmp_path / "ck"
+    build_checkpoint(d, "llama", layers=1)
+    _legacy(d, {"type": "dynamic", "factor": 2.0})
+    assert load_hf_dir(d).config.max_positions == 512
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["rope_scaling"], cfg["rope_theta"]
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    assert load_hf_dir(d).config.rope_theta == 500000.0
+    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="rope scaling"):
+        load_hf_dir(d)
+
+
+def test_only_the_transformers_weights_are_read(tmp_path):
+    """Mistral's repos ship consolidated.safetensors (native tensor names) beside the HF weights; a sharded
+    checkpoint's index names its files."""
+    from safetensors.numpy import save_file
+
+    d = tmp_path / "ck"
+    build_checkpoint(d, "llama", layers=1)
+    want = set(load_hf_dir(d).weights)
+    save_file({"layers.0.attention.wq.weight": np.ones((4, 4), np.float32)}, str(d / "consolidated.safetensors"))
+    assert set(load_hf_dir(d).weights) == want
+    (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: "model-00001-of-00001.safetensors" for n in want}}))
+    assert set(load_hf_dir(d).weights) == want
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002.safetensors"}}))
+    with pytest.raises(CheckpointError, match="model-00002.safetensors"):
+        load_hf_dir(d)
 
 
 def test_a_config_without_architectures_uses_its_model_type(tmp_path):

@@ -193,21 +193,6 @@ def test_replanning_shrinks_tree_then_k_then_drafter_then_plain():
     assert "re-planned from" in seq[-1].reason  # it says what it gave up
 
 
-def test_runtime_replans_hold_back_only_a_model_drafter():
-    """`ceiling_nodes=False` (edge.engine's re-plans): the draft length and the cheap drafters follow acceptance
-    both ways, but a model drafter given up is not taken back (its session was dropped with its budget)."""
-    good = {"lookup": AcceptanceStats(0.7), DRAFT: AcceptanceStats(0.99)}
-    kw = dict(calibration=CAL, drafters=("none", "lookup", "model"), tree_drafters=())
-    short = plan(None, M, 1000, good, 5000, drafters=("none", "lookup"), calibration=CAL, max_k=1)
-    assert short.drafter == "lookup" and short.nodes == 1
-    again = plan(None, M, 1000, good, 5000, ceiling=short, ceiling_nodes=False, **kw)
-    assert again.drafter == "lookup" and again.nodes > 1  # longer again, never the model drafter
-    assert plan(None, M, 1000, good, 5000, ceiling=short, **kw).nodes == 1  # replan(): no more nodes
-    model = plan(None, M, 1000, good, 5000, **kw)
-    assert model.drafter == "model"
-    assert plan(None, M, 1000, good, 5000, ceiling=model, ceiling_nodes=False, **kw).drafter == "model"
-
-
 def test_preallocated_capacity():
     """An engine that preallocated 4096 slots: KV memory is fixed, and no plan may outgrow the buffer."""
     p = plan(None, M, 1000, stats(), 5000, calibration=CAL, drafters=ALL, capacity=4096)
@@ -251,9 +236,9 @@ def test_precision_and_context_limits():
     with pytest.raises(PlanError, match="exported as fp32") as e:
         plan(NPU, smollm2_manifest(precision="fp32"), 256, budget_mb=4000)
     assert "edge-export --default -o DIR --precision" in str(e.value)  # how, for the embedded model
-    with pytest.raises(PlanError, match="does not fit 8192 KV positions"):
+    with pytest.raises(PlanError, match="context 8192 and a 1-row call do not fit 8192 KV positions"):
         plan(None, M, 8192, budget_mb=4000)
-    with pytest.raises(PlanError, match="does not fit 1024 KV positions"):
+    with pytest.raises(PlanError, match="do not fit 1024 KV positions"):
         plan(None, M, 1024, budget_mb=4000, capacity=1024)
     assert plan(None, M, 8191, budget_mb=4000).drafter != "none"  # the runtime drafts less in the last slots
     with pytest.raises(PlanError, match="no memory budget"):

@@ -258,14 +258,16 @@ def test_a_planned_engine_answers_whatever_a_plain_one_does(tiny_dir, tmp_path):
 
 def test_a_plan_decides_the_drafter_and_refuses_one_it_did_not_budget(tiny_dir, tmp_path):
     """edge-chat passes its --drafter (default auto) with every request: under a plan that means the plan's drafter,
-    capped at its draft length. A drafter the plan's memory does not cover is refused, plain decoding never is.
-    Loaded with a drafter, the planner chooses between it and plain decoding."""
+    capped at its draft length. Loaded with a drafter, the planner chooses between it and plain decoding. The cheap
+    drafters run when asked (their state is in every plan's footprint); a model drafter whose session the plan did
+    not budget is refused."""
     cal = calibration(tmp_path, 0.9)
     e = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=1e5, drafter="lookup")
-    assert e.plan.drafter in ("lookup", "none")
+    assert e.plan.drafter == "lookup"  # not hybrid or recycling, which the calibration rates as highly
     for asked in ("auto", "lookup", None):
-        assert e.generate("the quick brown fox", max_tokens=8, drafter=asked).stats.drafter == e.plan.drafter
-    assert e.generate("the quick brown fox", max_tokens=8, drafter="none").stats.drafter == "none"
+        assert e.generate("the quick brown fox", max_tokens=8, drafter=asked).stats.drafter == "lookup"
+    for asked in ("none", "hybrid", "recycling"):
+        assert e.generate("the quick brown fox", max_tokens=8, drafter=asked).stats.drafter == asked
     with pytest.raises(EngineError, match="outside this engine's memory plan"):
         e.generate("the quick brown fox", max_tokens=8, drafter="model")
     e = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=1e5)
@@ -285,9 +287,9 @@ def test_replanning_follows_acceptance_both_ways_and_reset_plans_afresh(tiny_dir
     first = e.plan
     kind = first.drafter
     e.acceptance[kind] = AcceptanceStats(0.05)
-    low = e._replan(100, e.plan)
+    low = e._replan(100)
     e.acceptance[kind] = AcceptanceStats(0.95)
-    high = e._replan(100, low)
+    high = e._replan(100)
     assert high.drafter == kind and (low.drafter != kind or low.nodes < high.nodes), (low.reason, high.reason)
     e.plan = low
     e.acceptance.pop(kind)
@@ -295,6 +297,23 @@ def test_replanning_follows_acceptance_both_ways_and_reset_plans_afresh(tiny_dir
     assert e.plan == first
     e.generate("the quick brown fox", max_tokens=4, temperature=0.8, seed=1)
     assert e.plan.sampling
+
+
+def test_a_model_drafter_session_lives_only_while_a_plan_uses_it(tiny_dir, tmp_path):
+    """Its memory is budgeted only in a model plan: dropped when a re-plan leaves it, reopened (and still lossless)
+    when one comes back to it."""
+    from memory import AcceptanceStats
+
+    e = edge.load(tiny_dir, context=256, calibration=calibration(tmp_path, 0.95), budget_mb=1e5, drafter="model")
+    ref = edge.load(tiny_dir, context=256).generate("the quick brown fox", max_tokens=24, drafter="none").token_ids
+    assert e.plan.drafter == "model"
+    assert e.generate("the quick brown fox", max_tokens=24).token_ids == ref and e._drafter_sess is not None
+    e.acceptance["model"] = AcceptanceStats(0.0)
+    e.plan = e._replan(100)
+    assert e.plan.drafter == "none" and e._drafter_sess is None
+    e.acceptance["model"] = AcceptanceStats(0.95)
+    r = e.generate("the quick brown fox", max_tokens=24)
+    assert r.stats.drafter == "model" and r.stats.drafted > 0 and r.token_ids == ref and e._drafter_sess is not None
 
 
 def test_prefill_runs_in_the_device_profiles_chunks(tiny_dir, tmp_path):
@@ -308,6 +327,22 @@ def test_prefill_runs_in_the_device_profiles_chunks(tiny_dir, tmp_path):
     assert r.stats.prompt_tokens > 40 and widths[:3] == [16, 16, 16] and max(widths) == 16
 
 
+def test_static_shape_buckets_plan_to_the_end_of_the_context(tiny_dir, tmp_path):
+    """With shape buckets a plain call is padded to the smallest bucket that holds it (4 here for a 2-row call):
+    the engine plans where such a call still fits, so a request to the end of the context is answered."""
+    from edge.planning import plan_report
+
+    prof = json.loads((Path(edge.__file__).parents[1] / "devices/profiles/android-phone-8gb.json").read_text())
+    prof.update(name="bucketed", shape_buckets=[1, 4, 8, 16], prefill_chunk=16)
+    (tmp_path / "b.json").write_text(json.dumps(prof))
+    e = edge.load(tiny_dir, context=64, device=str(tmp_path / "b.json"), simulate=True)
+    e.target.min_call = 2  # as for a graph whose 1-row calls are padded
+    r = e.generate("the quick brown fox", max_tokens=200, drafter="none")
+    assert r.finish_reason == "length" and e.plan.context == 64 - 4
+    rep = plan_report(e.manifest, e.profile, 64, None)  # edge-chat --plan: the same end
+    assert rep["fits"] and rep["plan"]["context"] == 60, rep
+
+
 def test_predicted_kv_bytes_are_the_allocated_buffers(tiny_dir):
     from memory import Speculation
 
@@ -317,6 +352,13 @@ def test_predicted_kv_bytes_are_the_allocated_buffers(tiny_dir):
                       capacity=e.context)
     assert fp["target.kv"] == e.target.cache.buf.nbytes
     assert fp["drafter.kv"] == e._drafter_sess.cache.buf.nbytes
+
+
+def test_plan_report_refuses_a_context_beyond_the_export_and_plans_its_maximum(tiny_dir):
+    r = _run(["edge.cli", "--model", str(tiny_dir), "--plan", "--context", "300", "--budget-mb", "4096"])
+    assert r.returncode == 2 and "--context 300 is more than the 256 tokens" in r.stderr, r.stderr
+    r = _run(["edge.cli", "--model", str(tiny_dir), "--plan", "--json", "--context", "256", "--budget-mb", "4096"])
+    assert r.returncode == 0 and json.loads(r.stdout)["fits"], r.stdout + r.stderr  # the export's own maximum
 
 
 def test_stats_shows_plan_predicted_and_measured_memory(tiny_dir):
