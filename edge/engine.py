@@ -276,19 +276,30 @@ class Engine:
 
     def _planned_drafter(self, asked: str | None) -> str:
         """The drafter a request runs. Without a plan: the one asked for, else the engine's. With one: the plan's
-        when the request leaves it to the engine ("auto", or the drafter it was loaded with); lookup, recycling and
-        hybrid when asked (their state is in every plan's footprint; they draft at most the plan's nodes); a model
-        drafter only if the plan budgeted its session, else refused rather than run over the budget."""
+        when the request leaves it to the engine ("auto", or the drafter it was loaded with), else the one asked
+        for, within the budget (`_plan_cap`)."""
         if self.plan is None:
             return self._resolve(asked or self.default_drafter)
-        have = self.plan.drafter
         if asked in (None, "auto", self._configured):
-            return have
-        if asked != "model" or have == "model":
-            return self._resolve(asked)
-        raise EngineError(f"drafter 'model' is outside this engine's memory plan (drafter {have} at "
-                          f"{self.plan.budget_mb:g} MB: no room for its session); leave the drafter unset to follow "
-                          "the plan, or load the engine with drafter='model'")
+            return self.plan.drafter
+        return self._resolve(asked)
+
+    def _plan_cap(self, kind: str, context: int, sampling: bool) -> int:
+        """Draft tokens per call the memory budget allows `kind` at `context`: the plan's own for its drafter; for
+        another one asked by name, the most that fits whatever its predicted speed. A model drafter that does not
+        fit at all is refused before its session opens."""
+        if kind == self.plan.drafter or kind == "none":
+            return self.plan.nodes if kind != "none" else 0
+        graph = drafter_graph(self.manifest, None).name if kind == "model" else None
+        from .planning import fitting_nodes
+
+        n = fitting_nodes(self.manifest, self.profile, context, self.plan.budget_mb, kind, draft_graph=graph,
+                          min_call=self.target.min_call, capacity=self.context, sampling=sampling)
+        if kind == "model" and n == 0:
+            raise EngineError(f"drafter 'model' does not fit the {self.plan.budget_mb:g} MB memory budget at "
+                              f"context {context} (its session and KV cache); leave the drafter unset to follow the "
+                              f"plan ({self.plan.drafter})")
+        return n
 
     def _verify_ms(self, s: int) -> float:
         """Measured mean call time at width s, else the export's measured curve (or the default one) scaled to the
@@ -519,14 +530,17 @@ class Engine:
                               "shorten it (or load with a larger context)")
         p.check(room)
         rng = np.random.default_rng(p.seed)
+        cap = None
         if self.plan is not None:  # the context grows with every turn: re-plan
             rows = plain_call_rows(self.profile, self.target.min_call)
             end = min(fullest(self.context, rows), len(ids) + p.max_tokens)
             self.plan = self._replan(end, sampling=p.temperature > 0)
         kind = self._planned_drafter(p.drafter)  # also refuses a drafter this export cannot run, with the fix named
-        drafter, k = self._drafter(kind, p, rng)
         if self.plan is not None:
-            k = min(k, self.plan.nodes)  # the memory plan caps draft tokens per call
+            cap = self._plan_cap(kind, end, p.temperature > 0)
+        drafter, k = self._drafter(kind, p, rng)
+        if cap is not None:
+            k = min(k, cap)  # the memory budget caps draft tokens per call
         # chains get an adaptive length; tree drafters (exact trees only) fill their node budget
         d_chain = kind in ("lookup", "model") or not self.target.tree_exact
         st.drafter = kind

@@ -8,9 +8,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from devices import check_available, detect_host, load_profile
-from memory.footprint import Calibration
-from memory.planner import (BudgetError, Latency, Plan, PlanError, fullest, min_budget_plain, min_budget_speculative,
-                            plain_call_rows, plan)
+from memory.footprint import MB, Calibration
+from memory.planner import (BudgetError, Latency, Plan, PlanError, candidates, fullest, min_budget_plain,
+                            min_budget_speculative, plain_call_rows, plan)
 
 from .manifest import Manifest
 
@@ -126,6 +126,18 @@ def make_plan(manifest: Manifest, profile, context: int, budget_mb: float | None
                 "tree_drafters": tuple(d for d in caps["tree_drafters"] if d == drafter)}
     return plan(profile, manifest, context, stats=stats, budget_mb=budget_mb, min_call=min_call, capacity=capacity,
                 sampling=sampling, **caps)
+
+
+def fitting_nodes(manifest: Manifest, profile, context: int, budget_mb: float, drafter: str, *,
+                  draft_graph: str | None = None, stats=None, min_call: int = 1, capacity: int | None = None,
+                  sampling: bool = False) -> int:
+    """The most draft tokens per call a chain of `drafter` may take at `context` within the budget, whatever its
+    predicted speed (0: not even one). For a request that names its drafter under a plan made for another."""
+    cs = candidates(profile, manifest, context, stats, drafters=("none", drafter), tree_drafters=(),
+                    min_call=min_call, capacity=capacity, sampling=sampling)[1:]
+    fit = [c.speculation.nodes for c in cs if draft_graph in (None, c.speculation.draft_graph)
+           and c.footprint.total_bytes <= budget_mb * MB]
+    return max(fit, default=0)
 
 
 def plan_report(manifest: Manifest, profile, context: int, budget_mb: float | None, min_call: int = 2,

@@ -258,18 +258,22 @@ def test_a_planned_engine_answers_whatever_a_plain_one_does(tiny_dir, tmp_path):
 
 def test_a_plan_decides_the_drafter_and_refuses_one_it_did_not_budget(tiny_dir, tmp_path):
     """edge-chat passes its --drafter (default auto) with every request: under a plan that means the plan's drafter,
-    capped at its draft length. Loaded with a drafter, the planner chooses between it and plain decoding. The cheap
-    drafters run when asked (their state is in every plan's footprint); a model drafter whose session the plan did
-    not budget is refused."""
+    capped at its draft length. Loaded with a drafter, the planner chooses between it and plain decoding. Another
+    drafter asked by name runs within the budget (as many draft tokens as fit); a model drafter whose session does
+    not fit is refused before it opens."""
     cal = calibration(tmp_path, 0.9)
     e = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=1e5, drafter="lookup")
     assert e.plan.drafter == "lookup"  # not hybrid or recycling, which the calibration rates as highly
     for asked in ("auto", "lookup", None):
         assert e.generate("the quick brown fox", max_tokens=8, drafter=asked).stats.drafter == "lookup"
-    for asked in ("none", "hybrid", "recycling"):
+    for asked in ("none", "hybrid", "recycling", "model"):  # a roomy budget: each fits
         assert e.generate("the quick brown fox", max_tokens=8, drafter=asked).stats.drafter == asked
-    with pytest.raises(EngineError, match="outside this engine's memory plan"):
-        e.generate("the quick brown fox", max_tokens=8, drafter="model")
+    plain_mb = e.plan.plain_peak_mb
+    tight = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=plain_mb + 1.0, drafter="lookup")
+    assert tight.plan.drafter == "lookup"
+    with pytest.raises(EngineError, match="drafter 'model' does not fit the"):
+        tight.generate("the quick brown fox", max_tokens=8, drafter="model")
+    assert tight._drafter_sess is None
     e = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=1e5)
     drafted = e.generate("the quick brown fox jumps over the lazy dog " * 3, max_tokens=24, drafter="auto",
                          draft_len=64).stats
