@@ -233,8 +233,8 @@ class Engine:
         self._curve = None
         self._draft_ms = 0.0  # model drafter: ms per drafted token (EMA)
         self._idle: dict[str, int] = {}  # steps since the last probe on which the adaptive length chose K = 0
-        # memory planning: with a device profile or budget, the plan picks drafter and K and is re-made as the
-        # context grows (shrinking only); without, the drafter runs unconstrained
+        # memory planning: with a device profile or budget, the plan picks drafter and K and is re-made for every
+        # request at the context it can reach; without, the drafter runs unconstrained
         self.profile, self.budget_mb, self.plan = profile, budget_mb, None
         self._configured = drafter  # with a plan: the drafter it may choose ("auto": any), or plain decoding
         if profile is not None or budget_mb is not None:

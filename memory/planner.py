@@ -120,6 +120,7 @@ class Latency:
         bad = sorted(set(d) - known)
         if bad:
             raise ValueError(f"unknown latency calibration key(s) {bad}; known: {sorted(known)}")
+
         def curve(v, what: str) -> LatencyCurve:
             try:
                 return LatencyCurve(tuple(map(tuple, v)))
