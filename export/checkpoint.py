@@ -46,10 +46,22 @@ class ArchConfig:
     qkv_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # rope scaling as per-frequency divisors of the rotary inverse frequencies (head_dim / 2 of them; empty: none):
+    # linear scaling divides all by its factor, Llama 3's scaling some (llama.cpp stores them as rope_freqs.weight)
+    rope_factors: tuple[float, ...] = ()
+
+    def inv_freq(self) -> np.ndarray:
+        """The rotary inverse frequencies [head_dim / 2], scaling applied (what the graph and the reference use)."""
+        inv = 1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
+        return inv / np.asarray(self.rope_factors, np.float64) if self.rope_factors else inv
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        if self.rope_factors:
+            d["rope_factors"] = [float(f) for f in self.rope_factors]
+        else:
+            del d["rope_factors"]  # exports without rope scaling keep the manifest they always had
         return d
 
 
@@ -127,12 +139,8 @@ def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
         )
     via = "edge-export --via optimum exports it"
     # rope_parameters: newer transformers' name for rope_theta + rope_scaling; "type": older configs' rope_type.
-    # Dynamic NTK scaling is plain rope up to max_position_embeddings, which the export never passes.
     rp = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     rs = cfg.get("rope_scaling") or rp
-    rope = rs.get("rope_type", rs.get("type", "default")) if isinstance(rs, dict) else rs
-    if rope not in ("default", "dynamic"):
-        raise CheckpointError(f"{where}: rope scaling {rs} is not supported by the fast exporter yet; {via}")
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise CheckpointError(f"{where}: hidden_act {act!r}: the fast exporter's MLP is SiLU-gated; {via}")
@@ -154,6 +162,10 @@ def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
         max_positions = min(max_positions, int(window))
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
+    rope_theta = float(cfg.get("rope_theta", rp.get("rope_theta", 10000.0)))
+    head_dim = cfg.get("head_dim") or hidden // heads
+    factors = _hf_rope_factors(rs, rope_theta, head_dim, f"{where}: rope scaling {rs} is not supported by the fast "
+                                                          f"exporter yet; {via}")
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
     return ArchConfig(
@@ -162,17 +174,53 @@ def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
         layers=cfg["num_hidden_layers"],
         heads=heads,
         kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or hidden // heads,
+        head_dim=head_dim,
         intermediate=cfg["intermediate_size"],
         vocab=cfg["vocab_size"],
-        rope_theta=float(cfg.get("rope_theta", rp.get("rope_theta", 10000.0))),
+        rope_theta=rope_theta,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_positions=max_positions,
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
+        rope_factors=factors,
     )
+
+
+def _hf_rope_factors(rs, theta: float, head_dim: int, refusal: str) -> tuple[float, ...]:
+    """ArchConfig.rope_factors of a transformers rope_scaling entry, as transformers computes the frequencies:
+    none for default and dynamic NTK (plain rope up to max_position_embeddings, which the export never passes),
+    the factor for linear, Llama 3's smoothed per-frequency factors (`_compute_llama3_parameters`). Any other kind
+    (YaRN, LongRoPE, ...) changes attention scaling too and is refused with `refusal`."""
+    kind = rs.get("rope_type", rs.get("type", "default")) if isinstance(rs, dict) else rs
+    if kind in ("default", "dynamic", None):
+        return ()
+    try:
+        factor = float(rs["factor"])
+        if kind == "linear":
+            return (factor,) * (head_dim // 2)
+        if kind == "llama3":
+            low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+            old = float(rs["original_max_position_embeddings"])
+        else:
+            raise CheckpointError(refusal)
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(refusal) from None
+    return _llama3_factors(theta, head_dim, factor, low, high, old)
+
+
+def _llama3_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
+                    old: float) -> tuple[float, ...]:
+    """Llama 3.1's rope scaling as divisors of the plain inverse frequencies (llama.cpp's rope_freqs): high
+    frequencies kept, low ones divided by `factor`, a smooth blend between."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv
+    smooth = (old / wavelen - low) / (high - low)
+    scaled = np.where(wavelen > old / low, inv / factor, inv)
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    scaled = np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return tuple(float(f) for f in inv / scaled)
 
 
 def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
@@ -291,9 +339,10 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     if missing:
         raise CheckpointError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
     scaling = f.get(p + "rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none", "linear"):
         raise CheckpointError(f"{path}: rope scaling {scaling!r} is not supported by the fast exporter yet")
     heads = int(f[p + "attention.head_count"])
+    rope_freqs = None
     kv_heads = int(f.get(p + "attention.head_count_kv", heads))
     hidden = int(f[p + "embedding_length"])
     weights: dict[str, np.ndarray] = {}
@@ -302,9 +351,9 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
         shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost-first
         arr = arr.reshape(shape)
         name = t.name
-        if name == "rope_freqs.weight":  # llama.cpp's per-frequency rope factors (Llama 3.1's rope scaling)
-            raise CheckpointError(f"{path}: rope frequency factors (rope_freqs.weight, Llama 3.x rope scaling) are "
-                                  "not supported by the fast exporter yet")
+        if name == "rope_freqs.weight":  # llama.cpp's per-frequency rope divisors (Llama 3.1's rope scaling)
+            rope_freqs = tuple(float(x) for x in arr.reshape(-1))
+            continue
         if name == "token_embd.weight":
             hf = "model.embed_tokens.weight"
         elif name == "output_norm.weight":
@@ -325,13 +374,23 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     emb = weights.get("model.embed_tokens.weight")
     vocab = int(f.get(p + "vocab_size", emb.shape[0] if emb is not None else 0))
     eos = f.get("tokenizer.ggml.eos_token_id")
+    head_dim = int(f.get(p + "attention.key_length", hidden // heads))
+    # llama.cpp divides each rotary frequency by rope_freqs[i] and, for linear scaling, all of them by the factor
+    factors = np.ones(head_dim // 2)
+    if rope_freqs is not None:
+        if len(rope_freqs) != head_dim // 2 or not all(x > 0 for x in rope_freqs):
+            raise CheckpointError(f"{path}: rope_freqs.weight has {len(rope_freqs)} entries, not head dim / 2 = "
+                                  f"{head_dim // 2} positive factors")
+        factors = factors * np.asarray(rope_freqs)
+    if scaling == "linear":
+        factors = factors * float(f.get(p + "rope.scaling.factor", 1.0))
     config = ArchConfig(
         family="llama" if arch == "llama" else "qwen2",
         hidden=hidden,
         layers=int(f[p + "block_count"]),
         heads=heads,
         kv_heads=kv_heads,
-        head_dim=int(f.get(p + "attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         intermediate=int(f[p + "feed_forward_length"]),
         vocab=vocab,
         rope_theta=float(f.get(p + "rope.freq_base", 10000.0)),
@@ -341,6 +400,7 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
         qkv_bias=arch == "qwen2",
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
+        rope_factors=tuple(float(x) for x in factors) if np.any(factors != 1) else (),
     )
     _check_weights(config, weights, str(path))
     return Checkpoint(config, weights, str(path), "gguf")

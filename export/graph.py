@@ -170,9 +170,9 @@ class _Builder:
                          name="embed_rows")[0]
 
 
-def rotary_tables(head_dim: int, theta: float, max_len: int) -> tuple[np.ndarray, np.ndarray]:
-    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    ang = np.arange(max_len, dtype=np.float64)[:, None] * inv[None, :]
+def rotary_tables(inv_freq: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin caches [max_len, head_dim / 2] for GroupQueryAttention's fused rotary (ArchConfig.inv_freq)."""
+    ang = np.arange(max_len, dtype=np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
@@ -230,7 +230,7 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
         bias = g.node("Cast", [bias], name="attention_bias_cast", to=ft)[0]
 
     # GroupQueryAttention wants cos/sin rows for every slot it may see, the pad query's scratch slot included
-    cos, sin = rotary_tables(c.head_dim, c.rope_theta, max_len + int(opts.pad_query))
+    cos, sin = rotary_tables(c.inv_freq(), max_len + int(opts.pad_query))
     cos_n, sin_n = g.init("cos_cache", cos.astype(g.np_ft)), g.init("sin_cache", sin.astype(g.np_ft))
 
     # quantized bodies store the embedding block-quantized like the LM head (113 → 28 MB here at 8 bits). Its own

@@ -14,10 +14,9 @@ def _rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def _rotate(x: np.ndarray, pos: np.ndarray, theta: float) -> np.ndarray:
-    # x [H, S, D], pos [S]; half-split (non-interleaved) rotary as in HF llama
+def _rotate(x: np.ndarray, pos: np.ndarray, inv: np.ndarray) -> np.ndarray:
+    # x [H, S, D], pos [S], inv [D/2] (ArchConfig.inv_freq); half-split (non-interleaved) rotary as in HF llama
     d = x.shape[-1]
-    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
     ang = pos[:, None].astype(np.float64) * inv[None, :]  # [S, D/2]
     cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
@@ -39,14 +38,15 @@ def forward(ck: Checkpoint, ids, positions=None, mask=None, layers: int | None =
     w = ck.weights
     h = w["model.embed_tokens.weight"][ids]
     group = c.heads // c.kv_heads
+    inv = c.inv_freq()
     for i in range(c.layers if layers is None else layers):
         L = lambda n: w[f"model.layers.{i}.{n}"]  # noqa: E731
         x = _rms(h, L("input_layernorm.weight"), c.rms_eps)
         q, k, v = (x @ L(f"self_attn.{n}_proj.weight").T for n in "qkv")
         if c.qkv_bias:
             q, k, v = q + L("self_attn.q_proj.bias"), k + L("self_attn.k_proj.bias"), v + L("self_attn.v_proj.bias")
-        q = _rotate(q.reshape(S, c.heads, c.head_dim).transpose(1, 0, 2), pos, c.rope_theta)
-        k = _rotate(k.reshape(S, c.kv_heads, c.head_dim).transpose(1, 0, 2), pos, c.rope_theta)
+        q = _rotate(q.reshape(S, c.heads, c.head_dim).transpose(1, 0, 2), pos, inv)
+        k = _rotate(k.reshape(S, c.kv_heads, c.head_dim).transpose(1, 0, 2), pos, inv)
         v = v.reshape(S, c.kv_heads, c.head_dim).transpose(1, 0, 2)
         k, v = np.repeat(k, group, 0), np.repeat(v, group, 0)
         s = q @ k.transpose(0, 2, 1) / np.sqrt(c.head_dim) + bias

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -142,18 +143,43 @@ def test_dir_with_one_gguf_loads_it(pair, tmp_path):
 
 
 @pytest.mark.parametrize("extra,scaling,needle", [
-    ({"rope_freqs.weight": np.ones(8)}, None, "rope_freqs.weight"),  # Llama 3.x rope factors
+    ({"rope_freqs.weight": np.ones(5)}, None, "rope_freqs.weight has 5 entries"),  # head dim 16: 8 factors
     ({"blk.0.attn_output.bias": np.ones(64), "blk.0.attn_q.bias": np.ones(64)}, None, "does not implement"),
     ({"blk.0.attn_q_norm.weight": np.ones(16)}, None, "does not implement"),  # a kind we do not map
-    ({}, "linear", "rope scaling 'linear'"),
+    ({}, "yarn", "rope scaling 'yarn'"),
 ])
 def test_what_the_graph_would_not_compute_is_refused(tiny_llama, tiny_llama_dir, tmp_path, extra, scaling, needle):
-    """A GGUF whose model needs more than our graph computes is refused, not exported with parts dropped (each of
-    these exported before, 9.9–11.0 max |Δlogit| from transformers, with a perfect parity report)."""
+    """A GGUF whose model needs more than our graph computes is refused, not exported with parts dropped (biases
+    and unmapped tensors exported before, ~10 max |Δlogit| from transformers, with a perfect parity report)."""
     p = tmp_path / "variant.gguf"
     write_gguf(tiny_llama, tiny_llama_dir, p, with_tokenizer=False, extra=extra, rope_scaling=scaling)
     with pytest.raises(CheckpointError, match=needle):
         load_gguf(p)
+
+
+def test_llama3_rope_factors_and_linear_scaling_read_as_llama_cpp_writes_them(tmp_path):
+    """llama.cpp's convert writes Llama 3.x rope scaling as rope_freqs.weight (a divisor per frequency) and linear
+    scaling as rope.scaling.type/factor; both give the HF checkpoint's own logits."""
+    from conftest import build_checkpoint
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    d = tmp_path / "ck"
+    build_checkpoint(d, "llama", layers=2, rope_scaling=scaling)
+    ck = load_hf_dir(d)
+    p = tmp_path / "llama3.gguf"
+    unscaled = replace(ck, config=replace(ck.config, rope_factors=()))
+    write_gguf(unscaled, d, p, with_tokenizer=False,
+               extra={"rope_freqs.weight": np.asarray(ck.config.rope_factors, np.float32)})
+    g = load_gguf(p)
+    np.testing.assert_allclose(g.config.rope_factors, ck.config.rope_factors, rtol=1e-6)
+    ids = np.random.default_rng(0).integers(0, VOCAB, 100)
+    want = reference.forward(ck, ids)
+    np.testing.assert_allclose(reference.forward(g, ids), want, atol=1e-4, rtol=0)
+    assert np.abs(reference.forward(unscaled, ids) - want).max() > 1e-2  # the factors matter at these positions
+    p2 = tmp_path / "linear.gguf"
+    write_gguf(unscaled, d, p2, with_tokenizer=False, rope_scaling="linear")  # factor 4
+    assert load_gguf(p2).config.rope_factors == (4.0,) * (ck.config.head_dim // 2)
 
 
 def test_missing_tensor_and_metadata(tiny_llama, tiny_llama_dir, tmp_path):

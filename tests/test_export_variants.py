@@ -1,7 +1,8 @@
 """Checkpoint options our graph builder does not compute are refused before any work, not exported with the option
 dropped. Each refused case below used to export "successfully" with a perfect parity report (the numpy reference
 shares the builder's assumptions) while computing another model: 2.1–11.0 max |Δlogit| from transformers, top-1
-agreement 0.18–0.76. Sliding-window attention is exact below the window, so those exports are capped there."""
+agreement 0.18–0.76. Sliding-window attention is exact below the window, so those exports are capped there; linear
+and Llama 3 rope scaling are computed, and checked against transformers itself."""
 from __future__ import annotations
 
 import json
@@ -23,9 +24,10 @@ def _legacy(d, rope_scaling: dict) -> None:
 
 
 @pytest.mark.parametrize("family,config,legacy,needle", [
-    ("llama", {}, {"type": "linear", "factor": 4.0}, "rope scaling"),
     ("qwen2", {}, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, "rope scaling"),
-    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, None, "rope scaling"),
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}, None,
+     "rope scaling"),
+    ("llama", {}, {"type": "llama3", "factor": 8.0}, "rope scaling"),  # incomplete: no frequency factors
     ("llama", {"attention_bias": True}, None, "attention_bias"),
     ("llama", {"mlp_bias": True}, None, "mlp_bias"),
     ("llama", {"hidden_act": "gelu"}, None, "hidden_act 'gelu'"),
@@ -60,6 +62,47 @@ def test_refusal_is_one_line_from_the_cli(tmp_path):
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("scaling,legacy", [
+    (LLAMA3, False),
+    ({"rope_type": "linear", "factor": 4.0}, False),
+    ({"type": "linear", "factor": 4.0}, True),  # deepseek-coder's form
+])
+def test_rope_scaling_is_computed_as_transformers_does(tmp_path, scaling, legacy):
+    """Llama 3.x (rope_type llama3) and linear scaling: the numpy reference and the exported graph against
+    transformers' own forward, over positions past the original context; the same weights without the scaling
+    are the negative control."""
+    import torch
+
+    from edge.runner import GraphSession
+    from export import reference
+    from export.pipeline import export_model
+
+    d = tmp_path / "ck"
+    model = build_checkpoint(d, "llama", layers=2, **({} if legacy else {"rope_scaling": scaling}))
+    if legacy:
+        _legacy(d, scaling)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    ck = load_hf_dir(d)
+    assert ck.config.rope_factors and len(ck.config.rope_factors) == ck.config.head_dim // 2
+    ids = [int(t) for t in np.random.default_rng(0).integers(3, VOCAB, 120)]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(reference.forward(ck, ids), ref, atol=2e-4, rtol=0)
+    m = export_model(d, tmp_path / "out", tiny_export_options(drafters=(), parity=False), progress=False)
+    sess = GraphSession(str(tmp_path / "out" / m.target.file), m, m.target, 128)
+    np.testing.assert_allclose(sess.forward(ids, keep=len(ids)), ref, atol=2e-4, rtol=0)
+    assert m.arch["rope_factors"] == list(ck.config.rope_factors)
+    plain = build_checkpoint(tmp_path / "plain", "llama", layers=2)  # same weights, no scaling
+    with torch.no_grad():
+        assert np.abs(plain(torch.tensor([ids])).logits[0].numpy() - ref).max() > 1e-2
+
+
 def test_rope_variants_that_equal_plain_rope_inside_the_export_load(tmp_path):
     """Dynamic NTK scaling only changes positions past max_position_embeddings, which the export never reaches;
     newer transformers' `rope_parameters` carry rope_theta (and a scaling we refuse like the old key)."""
@@ -72,10 +115,14 @@ def test_rope_variants_that_equal_plain_rope_inside_the_export_load(tmp_path):
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
     (d / "config.json").write_text(json.dumps(cfg))
     assert load_hf_dir(d).config.rope_theta == 500000.0
-    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    cfg["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="rope scaling"):
         load_hf_dir(d)
+    cfg["rope_parameters"] = {**LLAMA3, "rope_theta": 500000.0}
+    (d / "config.json").write_text(json.dumps(cfg))
+    c = load_hf_dir(d).config
+    assert c.rope_theta == 500000.0 and len(c.rope_factors) == c.head_dim // 2
 
 
 def test_only_the_transformers_weights_are_read(tmp_path):
