@@ -144,6 +144,9 @@ def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise CheckpointError(f"{where}: hidden_act {act!r}: the fast exporter's MLP is SiLU-gated; {via}")
+    if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise CheckpointError(f"{where}: partial_rotary_factor {cfg['partial_rotary_factor']} (rotary over part of "
+                              f"each head) is not supported by the fast exporter; {via}")
     if cfg.get("mlp_bias"):
         raise CheckpointError(f"{where}: mlp_bias (biases on the MLP projections) is not supported by the fast "
                               f"exporter; {via}")
@@ -199,14 +202,19 @@ def _hf_rope_factors(rs, theta: float, head_dim: int, refusal: str) -> tuple[flo
     try:
         factor = float(rs["factor"])
         if kind == "linear":
-            return (factor,) * (head_dim // 2)
-        if kind == "llama3":
+            low = high = old = 1.0
+        elif kind == "llama3":
             low, high = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
             old = float(rs["original_max_position_embeddings"])
         else:
             raise CheckpointError(refusal)
     except (KeyError, TypeError, ValueError):
         raise CheckpointError(refusal) from None
+    if not all(0 < x < np.inf for x in (factor, low, high, old)) or (kind == "llama3" and high <= low):
+        raise CheckpointError(f"{refusal} (factors must be finite and positive, high_freq_factor above "
+                              "low_freq_factor)")
+    if kind == "linear":
+        return (factor,) * (head_dim // 2)
     return _llama3_factors(theta, head_dim, factor, low, high, old)
 
 
@@ -244,9 +252,11 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
 
 
 def _weight_files(path: Path) -> list[Path]:
-    """The transformers weights of a checkpoint directory: the shards its index names, else model.safetensors,
-    else every *.safetensors but a native copy (Mistral's repos ship consolidated.safetensors beside the HF
-    shards, with other tensor names)."""
+    """The transformers weights of a checkpoint directory, in transformers' order: model.safetensors, else the
+    shards its index names, else every *.safetensors but a native copy (Mistral's repos ship
+    consolidated.safetensors beside the HF shards, with other tensor names)."""
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -257,8 +267,6 @@ def _weight_files(path: Path) -> list[Path]:
         if missing:
             raise CheckpointError(f"{index}: names {missing[0]}, which is not in {path}")
         return [path / n for n in names]
-    if (path / "model.safetensors").is_file():
-        return [path / "model.safetensors"]
     return sorted(p for p in path.glob("*.safetensors") if not p.name.startswith("consolidated"))
 
 
@@ -338,8 +346,11 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     missing = [p + k for k in _GGUF_REQUIRED if p + k not in f]
     if missing:
         raise CheckpointError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
-    scaling = f.get(p + "rope.scaling.type")
-    if scaling not in (None, "none", "linear"):
+    # llama.cpp: a missing scaling type with a factor means linear; the factor may sit under the legacy
+    # rope.scale_linear key; a factor of 0 means none
+    linear = float(f.get(p + "rope.scaling.factor") or f.get(p + "rope.scale_linear") or 0.0)
+    scaling = f.get(p + "rope.scaling.type") or ("linear" if linear else "none")
+    if scaling not in ("none", "linear"):
         raise CheckpointError(f"{path}: rope scaling {scaling!r} is not supported by the fast exporter yet")
     heads = int(f[p + "attention.head_count"])
     rope_freqs = None
@@ -375,6 +386,10 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     vocab = int(f.get(p + "vocab_size", emb.shape[0] if emb is not None else 0))
     eos = f.get("tokenizer.ggml.eos_token_id")
     head_dim = int(f.get(p + "attention.key_length", hidden // heads))
+    rot = int(f.get(p + "rope.dimension_count", head_dim))
+    if rot != head_dim:
+        raise CheckpointError(f"{path}: rotary over {rot} of {head_dim} head dims (partial rotary) is not supported "
+                              "by the fast exporter yet")
     # llama.cpp divides each rotary frequency by rope_freqs[i] and, for linear scaling, all of them by the factor
     factors = np.ones(head_dim // 2)
     if rope_freqs is not None:
@@ -382,8 +397,8 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
             raise CheckpointError(f"{path}: rope_freqs.weight has {len(rope_freqs)} entries, not head dim / 2 = "
                                   f"{head_dim // 2} positive factors")
         factors = factors * np.asarray(rope_freqs)
-    if scaling == "linear":
-        factors = factors * float(f.get(p + "rope.scaling.factor", 1.0))
+    if scaling == "linear" and linear > 0:
+        factors = factors * linear
     config = ArchConfig(
         family="llama" if arch == "llama" else "qwen2",
         hidden=hidden,

@@ -38,8 +38,10 @@ def gguf_name(hf: str) -> str:
     return f"blk.{i}.{HF_TO_GGUF[mod]}.{suffix}"
 
 
-def write_gguf(ck, tokenizer_dir, path, with_tokenizer: bool = True, skip=(), extra=None, rope_scaling=None) -> None:
-    """`extra`: more tensors by GGUF name; `rope_scaling`: a rope.scaling.type to record."""
+def write_gguf(ck, tokenizer_dir, path, with_tokenizer: bool = True, skip=(), extra=None, rope_scaling=None,
+               kv=None) -> None:
+    """`extra`: more tensors by GGUF name; `rope_scaling`: a rope.scaling.type to record (factor 4); `kv`: more
+    metadata, {key without the arch prefix: float or int}."""
     import gguf
 
     c = ck.config
@@ -48,6 +50,8 @@ def write_gguf(ck, tokenizer_dir, path, with_tokenizer: bool = True, skip=(), ex
     if rope_scaling:
         w.add_rope_scaling_type(gguf.RopeScalingType(rope_scaling))
         w.add_rope_scaling_factor(4.0)
+    for key, val in (kv or {}).items():
+        (w.add_uint32 if isinstance(val, int) else w.add_float32)(f"{arch}.{key}", val)
     w.add_name("tiny")
     w.add_block_count(c.layers)
     w.add_context_length(c.max_positions)
@@ -147,12 +151,14 @@ def test_dir_with_one_gguf_loads_it(pair, tmp_path):
     ({"blk.0.attn_output.bias": np.ones(64), "blk.0.attn_q.bias": np.ones(64)}, None, "does not implement"),
     ({"blk.0.attn_q_norm.weight": np.ones(16)}, None, "does not implement"),  # a kind we do not map
     ({}, "yarn", "rope scaling 'yarn'"),
+    ({}, None, "partial rotary"),  # with rope.dimension_count 8 of head dim 16 (below)
 ])
 def test_what_the_graph_would_not_compute_is_refused(tiny_llama, tiny_llama_dir, tmp_path, extra, scaling, needle):
     """A GGUF whose model needs more than our graph computes is refused, not exported with parts dropped (biases
     and unmapped tensors exported before, ~10 max |Δlogit| from transformers, with a perfect parity report)."""
     p = tmp_path / "variant.gguf"
-    write_gguf(tiny_llama, tiny_llama_dir, p, with_tokenizer=False, extra=extra, rope_scaling=scaling)
+    kv = {"rope.dimension_count": 8} if needle == "partial rotary" else None
+    write_gguf(tiny_llama, tiny_llama_dir, p, with_tokenizer=False, extra=extra, rope_scaling=scaling, kv=kv)
     with pytest.raises(CheckpointError, match=needle):
         load_gguf(p)
 
@@ -177,9 +183,20 @@ def test_llama3_rope_factors_and_linear_scaling_read_as_llama_cpp_writes_them(tm
     want = reference.forward(ck, ids)
     np.testing.assert_allclose(reference.forward(g, ids), want, atol=1e-4, rtol=0)
     assert np.abs(reference.forward(unscaled, ids) - want).max() > 1e-2  # the factors matter at these positions
-    p2 = tmp_path / "linear.gguf"
-    write_gguf(unscaled, d, p2, with_tokenizer=False, rope_scaling="linear")  # factor 4
-    assert load_gguf(p2).config.rope_factors == (4.0,) * (ck.config.head_dim // 2)
+    # linear: the HF checkpoint with {"rope_type": "linear", "factor": 4} (tested against transformers in
+    # test_export_variants) is the reference; llama.cpp also reads a factor without a type, or under the legacy
+    # rope.scale_linear key, as linear, and a factor of 0 as none
+    lin = tmp_path / "lin"
+    build_checkpoint(lin, "llama", layers=2, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    want = reference.forward(load_hf_dir(lin), ids)
+    for i, (scaling, kv) in enumerate((("linear", None), (None, {"rope.scaling.factor": 4.0}),
+                                       (None, {"rope.scale_linear": 4.0}))):
+        p2 = tmp_path / f"linear{i}.gguf"
+        write_gguf(unscaled, d, p2, with_tokenizer=False, rope_scaling=scaling, kv=kv)
+        np.testing.assert_allclose(reference.forward(load_gguf(p2), ids), want, atol=1e-4, rtol=0)
+    p3 = tmp_path / "zero.gguf"
+    write_gguf(unscaled, d, p3, with_tokenizer=False, kv={"rope.scaling.factor": 0.0})
+    assert load_gguf(p3).config.rope_factors == ()
 
 
 def test_missing_tensor_and_metadata(tiny_llama, tiny_llama_dir, tmp_path):

@@ -23,11 +23,17 @@ def _legacy(d, rope_scaling: dict) -> None:
     (d / "config.json").write_text(json.dumps(cfg))
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
 @pytest.mark.parametrize("family,config,legacy,needle", [
     ("qwen2", {}, {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}, "rope scaling"),
     ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}}, None,
      "rope scaling"),
     ("llama", {}, {"type": "llama3", "factor": 8.0}, "rope scaling"),  # incomplete: no frequency factors
+    ("llama", {}, {**LLAMA3, "low_freq_factor": 0.0}, "factors must be finite and positive"),
+    ("llama", {}, {"type": "linear", "factor": 0.0}, "factors must be finite and positive"),
     ("llama", {"attention_bias": True}, None, "attention_bias"),
     ("llama", {"mlp_bias": True}, None, "mlp_bias"),
     ("llama", {"hidden_act": "gelu"}, None, "hidden_act 'gelu'"),
@@ -40,6 +46,16 @@ def test_options_the_graph_does_not_compute_are_refused(tmp_path, family, config
     with pytest.raises(CheckpointError, match=needle) as e:
         load_hf_dir(d)
     assert "--via optimum" in str(e.value)
+
+
+def test_partial_rotary_is_refused(tmp_path):
+    d = tmp_path / "ck"
+    build_checkpoint(d, "llama", layers=1)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["partial_rotary_factor"] = 0.5
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="partial_rotary_factor 0.5"):
+        load_hf_dir(d)
 
 
 def test_weights_the_graph_would_not_use_are_refused(tmp_path):
@@ -60,10 +76,6 @@ def test_refusal_is_one_line_from_the_cli(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "mlp_bias" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
-
-
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 32}
 
 
 @pytest.mark.parametrize("scaling,legacy", [
@@ -135,6 +147,8 @@ def test_only_the_transformers_weights_are_read(tmp_path):
     want = set(load_hf_dir(d).weights)
     save_file({"layers.0.attention.wq.weight": np.ones((4, 4), np.float32)}, str(d / "consolidated.safetensors"))
     assert set(load_hf_dir(d).weights) == want
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
+    assert set(load_hf_dir(d).weights) == want  # transformers' order: model.safetensors before a (stale) index
     (d / "model.safetensors").rename(d / "model-00001-of-00001.safetensors")
     (d / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {n: "model-00001-of-00001.safetensors" for n in want}}))
