@@ -237,6 +237,7 @@ class Engine:
         # request at the context it can reach; without, the drafter runs unconstrained
         self.profile, self.budget_mb, self.plan = profile, budget_mb, None
         self._configured = drafter  # with a plan: the drafter it may choose ("auto": any), or plain decoding
+        self._own = self.default_drafter  # what this engine runs unplanned (auto resolved)
         if profile is not None or budget_mb is not None:
             try:
                 self.plan = self._replan(self.context // 2)
@@ -251,9 +252,8 @@ class Engine:
                                   "full context)") from e.__cause__
 
     def _replan(self, context: int, sampling: bool = False):
-        """The best memory plan at `context` tokens, from the acceptance measured so far. It decides the drafter
-        this engine runs; a model drafter's session is dropped when a plan stops using it (its memory is no longer
-        budgeted) and reopened when one uses it again."""
+        """The best memory plan at `context` tokens, from the acceptance measured so far: the drafter this engine
+        runs and its draft tokens per call."""
         from memory.planner import BudgetError, PlanError
 
         from .planning import make_plan, profile_for
@@ -270,36 +270,39 @@ class Engine:
         except (BudgetError, PlanError) as e:
             raise EngineError(str(e)) from e
         self.default_drafter = pl.drafter
-        if pl.drafter != "model":
-            self._drafter_sess = None
         return pl
 
-    def _planned_drafter(self, asked: str | None) -> str:
-        """The drafter a request runs. Without a plan: the one asked for, else the engine's. With one: the plan's
-        when the request leaves it to the engine ("auto", or the drafter it was loaded with), else the one asked
-        for, within the budget (`_plan_cap`)."""
-        if self.plan is None:
-            return self._resolve(asked or self.default_drafter)
-        if asked in (None, "auto", self._configured):
-            return self.plan.drafter
-        return self._resolve(asked)
+    def _planned_drafter(self, asked: str | None, context: int, sampling: bool) -> tuple[str, int | None]:
+        """(drafter, draft tokens per call the budget allows; None: no plan) of a request.
 
-    def _plan_cap(self, kind: str, context: int, sampling: bool) -> int:
-        """Draft tokens per call the memory budget allows `kind` at `context`: the plan's own for its drafter; for
-        another one asked by name, the most that fits whatever its predicted speed. A model drafter that does not
-        fit at all is refused before its session opens."""
-        if kind == self.plan.drafter or kind == "none":
-            return self.plan.nodes if kind != "none" else 0
-        graph = drafter_graph(self.manifest, None).name if kind == "model" else None
+        Without a plan: the drafter asked for, else the engine's. With one, a request that leaves the choice to
+        the engine ("auto", or the drafter it was loaded with) runs the plan's drafter at its nodes; when the plan
+        predicts plain decoding to be fastest, the engine's own drafter still runs with what fits, because its
+        adaptive length drafts nothing unless its acceptance says so, and its probes keep that acceptance measured
+        (a plan made from a poor turn would otherwise never draft again). A drafter asked by name runs with what
+        fits; a model drafter that does not fit at all is refused before its session opens. A model session the
+        request does not use is dropped (its memory is budgeted only while used)."""
+        if self.plan is None:
+            return self._resolve(asked or self.default_drafter), None
+        following = asked in (None, "auto", self._configured)
+        kind = self._resolve(asked) if not following else self.plan.drafter if self.plan.drafter != "none" \
+            else self._own
+        if kind != "model":
+            self._drafter_sess = None
+        if kind == "none" or (following and kind == self.plan.drafter):
+            return kind, self.plan.nodes
         from .planning import fitting_nodes
 
+        graph = drafter_graph(self.manifest, None).name if kind == "model" else None
         n = fitting_nodes(self.manifest, self.profile, context, self.plan.budget_mb, kind, draft_graph=graph,
                           min_call=self.target.min_call, capacity=self.context, sampling=sampling)
+        if n == 0 and following:
+            return "none", 0
         if kind == "model" and n == 0:
             raise EngineError(f"drafter 'model' does not fit the {self.plan.budget_mb:g} MB memory budget at "
                               f"context {context} (its session and KV cache); leave the drafter unset to follow the "
                               f"plan ({self.plan.drafter})")
-        return n
+        return kind, n
 
     def _verify_ms(self, s: int) -> float:
         """Measured mean call time at width s, else the export's measured curve (or the default one) scaled to the
@@ -530,14 +533,12 @@ class Engine:
                               "shorten it (or load with a larger context)")
         p.check(room)
         rng = np.random.default_rng(p.seed)
-        cap = None
+        end = len(ids) + p.max_tokens
         if self.plan is not None:  # the context grows with every turn: re-plan
-            rows = plain_call_rows(self.profile, self.target.min_call)
-            end = min(fullest(self.context, rows), len(ids) + p.max_tokens)
+            end = min(fullest(self.context, plain_call_rows(self.profile, self.target.min_call)), end)
             self.plan = self._replan(end, sampling=p.temperature > 0)
-        kind = self._planned_drafter(p.drafter)  # also refuses a drafter this export cannot run, with the fix named
-        if self.plan is not None:
-            cap = self._plan_cap(kind, end, p.temperature > 0)
+        # also refuses a drafter this export cannot run, with the fix named
+        kind, cap = self._planned_drafter(p.drafter, end, p.temperature > 0)
         drafter, k = self._drafter(kind, p, rng)
         if cap is not None:
             k = min(k, cap)  # the memory budget caps draft tokens per call

@@ -133,7 +133,9 @@ def test_the_planner_loads_the_calibration_and_its_choice_follows_it(tiny_dir, t
     assert "test" in good.profile.calibration["source"]
     bad = edge.load(tiny_dir, context=256, calibration=calibration(tmp_path, 0.0, "lo.json"))
     assert bad.plan.drafter == "none" and bad.default_drafter == "none"
-    assert bad.generate("the quick brown fox", max_tokens=6).stats.drafter == "none"
+    # the request still runs the engine's own drafter within the budget: its adaptive length and probes decide
+    # per step (test_a_plan_for_plain_decoding_still_probes_and_can_recover)
+    assert bad.generate("the quick brown fox", max_tokens=6).stats.drafter == bad._own
     # the memory section too: a larger baseline raises every predicted peak by exactly the difference
     m, prof = good.manifest, profile_for(None, calibration=calibration(tmp_path, 0.95, "b.json", 185.0))
     base = make_plan(m, good.profile, 64, 1e5, capacity=256)
@@ -304,20 +306,47 @@ def test_replanning_follows_acceptance_both_ways_and_reset_plans_afresh(tiny_dir
 
 
 def test_a_model_drafter_session_lives_only_while_a_plan_uses_it(tiny_dir, tmp_path):
-    """Its memory is budgeted only in a model plan: dropped when a re-plan leaves it, reopened (and still lossless)
-    when one comes back to it."""
-    from memory import AcceptanceStats
-
+    """Its memory is budgeted only while a request uses it: dropped by one that does not, reopened (and still
+    lossless) by the next that does."""
     e = edge.load(tiny_dir, context=256, calibration=calibration(tmp_path, 0.95), budget_mb=1e5, drafter="model")
     ref = edge.load(tiny_dir, context=256).generate("the quick brown fox", max_tokens=24, drafter="none").token_ids
     assert e.plan.drafter == "model"
     assert e.generate("the quick brown fox", max_tokens=24).token_ids == ref and e._drafter_sess is not None
-    e.acceptance["model"] = AcceptanceStats(0.0)
-    e.plan = e._replan(100)
-    assert e.plan.drafter == "none" and e._drafter_sess is None
-    e.acceptance["model"] = AcceptanceStats(0.95)
+    assert e.generate("the quick brown fox", max_tokens=24, drafter="none").token_ids == ref
+    assert e._drafter_sess is None
     r = e.generate("the quick brown fox", max_tokens=24)
     assert r.stats.drafter == "model" and r.stats.drafted > 0 and r.token_ids == ref and e._drafter_sess is not None
+
+
+def test_a_plan_for_plain_decoding_still_probes_and_can_recover(tiny_dir, tmp_path):
+    """A plan made from a poor turn predicts plain decoding fastest; the engine's own drafter still runs within
+    the budget with its adaptive length, whose probes keep measuring, so drafting comes back when it pays."""
+    e = edge.load(tiny_dir, context=256, calibration=calibration(tmp_path, 0.0), budget_mb=1e5)
+    assert e.plan.drafter == "none"
+    text = "the quick brown fox jumps over the lazy dog " * 4
+    ref = edge.load(tiny_dir, context=256).generate(text, max_tokens=60, drafter="none", raw=True).token_ids
+    r = e.generate(text, max_tokens=60, raw=True)
+    assert r.stats.drafter == e._own != "none" and r.stats.drafted > 0 and r.token_ids == ref
+
+
+def test_a_drafter_asked_by_name_is_capped_at_what_fits(tiny_dir, tmp_path):
+    """The cap is the largest chain whose predicted peak fits the budget (one more would not), and the request
+    drafts no more than that per step even when it asks for more."""
+    from edge.planning import fitting_nodes
+    from memory import Speculation
+
+    cal = calibration(tmp_path, 0.9)
+    probe = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=1e5, drafter="lookup")
+    # a budget between hybrid K=3 and K=4 at this context
+    kw = dict(min_call=probe.target.min_call, capacity=256)
+    ctx = 200
+    peaks = [predict_peak(probe.manifest, Speculation("hybrid", n), ctx, **kw).total_mb for n in (3, 4)]
+    e = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=sum(peaks) / 2, drafter="lookup")
+    assert fitting_nodes(e.manifest, e.profile, ctx, e.plan.budget_mb, "hybrid", **kw) == 3
+    text = "the quick brown fox jumps over the lazy dog " * 3
+    r = e.generate(text, max_tokens=200 - len(e.encode(text, raw=True)), drafter="hybrid", draft_len=16, raw=True)
+    assert r.stats.drafter == "hybrid" and r.stats.drafted > r.stats.steps  # it drafted chains ...
+    assert r.stats.drafted <= 3 * r.stats.steps  # ... of at most 3
 
 
 def test_prefill_runs_in_the_device_profiles_chunks(tiny_dir, tmp_path):
