@@ -285,8 +285,10 @@ class Engine:
         if self.plan is None:
             return self._resolve(asked or self.default_drafter), None
         following = asked in (None, "auto", self._configured)
-        kind = self._resolve(asked) if not following else self.plan.drafter if self.plan.drafter != "none" \
-            else self._own
+        if not following:
+            kind = self._resolve(asked)
+        else:
+            kind = self.plan.drafter if self.plan.drafter != "none" else self._own
         if kind != "model":
             self._drafter_sess = None
         if kind == "none" or (following and kind == self.plan.drafter):
