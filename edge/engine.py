@@ -295,7 +295,7 @@ class Engine:
             return kind, self.plan.nodes
         from .planning import fitting_nodes
 
-        graph = drafter_graph(self.manifest, None).name if kind == "model" else None
+        graph = self._model_graph().name if kind == "model" else None
         n = fitting_nodes(self.manifest, self.profile, context, self.plan.budget_mb, kind, draft_graph=graph,
                           min_call=self.target.min_call, capacity=self.context, sampling=sampling)
         if n == 0 and following:
@@ -405,10 +405,14 @@ class Engine:
             return "model"
         return "hybrid" if self.target.topk else "lookup"
 
-    def _model_drafter(self, p: GenerationParams, rng) -> ModelDrafter:
-        # the memory plan's drafter graph when there is a plan (its budget is for that graph), else the best one
+    def _model_graph(self):
+        """The drafter graph a model drafter runs: the memory plan's when it plans one (its budget is for that
+        graph), else the best one."""
         want = self.plan.draft_graph if self.plan is not None and self.plan.drafter == "model" else None
-        g = drafter_graph(self.manifest, want)
+        return drafter_graph(self.manifest, want)
+
+    def _model_drafter(self, p: GenerationParams, rng) -> ModelDrafter:
+        g = self._model_graph()
         if self._drafter_sess is None or self._drafter_graph != g.name:
             switched = self._drafter_graph not in (None, g.name)  # not a reload of the same graph
             self._drafter_sess = None  # one drafter session at a time; nothing below is kept unless all of it loads
