@@ -169,11 +169,10 @@ def _distill_data(target: Path, c, layers: list[int], texts: list[tuple[list[int
     return out
 
 
-def _same_vocabulary(a: Path, b: Path) -> bool:
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(a)).get_vocab(with_added_tokens=True) == \
-        Tokenizer.from_file(str(b)).get_vocab(with_added_tokens=True)
+def _drafter_latency_ms(path: Path, layers: int, c, threads: int, max_len: int) -> float:
+    """One drafter call of one row with up to 128 cached tokens, as the manifest's latency_ms_s1 records it."""
+    dr = GraphRunner(str(path), layers, c.kv_heads, c.head_dim, threads)
+    return round(dr.latency_ms(1, past=min(128, max_len - 1)), 3)
 
 
 def _check_head_dim(c, what: str, instead: str) -> None:
@@ -191,14 +190,14 @@ def _check_drafter_checkpoint(path: Path, dck: Checkpoint, target_tokenizer: Pat
     from tokenizers import Tokenizer
 
     _check_head_dim(dck.config, f"drafter checkpoint {path}", "choose another drafter")
-    tokens = Tokenizer.from_file(str(target_tokenizer)).get_vocab_size(with_added_tokens=True)
-    if dck.config.vocab < tokens:
+    vocab = Tokenizer.from_file(str(target_tokenizer)).get_vocab(with_added_tokens=True)
+    if dck.config.vocab < len(vocab):
         raise ValueError(f"drafter checkpoint {path}: {dck.config.vocab} embedding rows but the tokenizer has "
-                         f"{tokens} tokens; it cannot read every token the target writes")
+                         f"{len(vocab)} tokens; it cannot read every token the target writes")
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tokenizer(dck, Path(tmp))
-        if not _same_vocabulary(Path(tmp) / "tokenizer.json", target_tokenizer):
+        if Tokenizer.from_file(str(Path(tmp) / "tokenizer.json")).get_vocab(with_added_tokens=True) != vocab:
             raise ValueError(f"drafter checkpoint {path}: its tokenizer differs from the target's (another token → "
                              "id map), so its drafts would mean other text; give a drafter of the same model family")
     if dck.config.max_positions < max_len:
@@ -231,13 +230,11 @@ def _checkpoint_drafter(path: Path, dck: Checkpoint, k: int, part: Path, opts: E
     steps.done()
     steps.start(f"drafter checkpoint {path.name}: agreement")
     agree = _agreement(graph, dc.layers, dc, opts.threads, ids_kept, held)
-    dr = GraphRunner(str(graph), dc.layers, dc.kv_heads, dc.head_dim, opts.threads)
-    ms = dr.latency_ms(1, past=min(128, max_len - 1))
-    del dr
+    ms = _drafter_latency_ms(graph, dc.layers, dc, opts.threads, max_len)
     steps.done()
     scored = int(sum(np.asarray(tgt)[m].size for _, tgt, m in held))
     stats = {"top1_agreement": agree, "top1_agreement_raw": agree, "held_out_positions": scored,
-             "latency_ms_s1": round(ms, 3), "latency_vs_target": round(ms / target_ms, 3),
+             "latency_ms_s1": ms, "latency_vs_target": round(ms / target_ms, 3),
              "checkpoint": {"path": str(src.resolve()), "sha256": source_digest(src)}}
     return GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=dc.layers, vocab=len(ids_kept),
                       precision=opts.precision, block_size=opts.block_size, accuracy_level=target.accuracy_level,
@@ -478,10 +475,8 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
             stats["distill"] = {**fit.stats(), "seconds": round(time.perf_counter() - t, 2),
                                 "data_seconds": round(fit_data["seconds"], 2)}
             steps.done()
-        dr = GraphRunner(str(path), layers, c.kv_heads, c.head_dim, opts.threads)
-        stats["latency_ms_s1"] = round(dr.latency_ms(1, past=min(128, max_len - 1)), 3)
+        stats["latency_ms_s1"] = _drafter_latency_ms(path, layers, c, opts.threads, max_len)
         stats["latency_vs_target"] = round(stats["latency_ms_s1"] / target_ms[0], 3)
-        del dr
         graphs.append(GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=layers, vocab=k,
                                  precision=opts.precision, block_size=opts.block_size,
                                  accuracy_level=graphs[0].accuracy_level, lm_head_bits=graphs[0].lm_head_bits,
