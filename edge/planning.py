@@ -9,12 +9,11 @@ from types import SimpleNamespace
 
 from devices import check_available, detect_host, load_profile
 from memory.footprint import MB, Calibration
-from memory.planner import (BudgetError, Latency, Plan, PlanError, candidates, fullest, min_budget_plain,
-                            min_budget_speculative, plain_call_rows, plan)
+from memory.planner import (CALIBRATION_SECTIONS, BudgetError, Latency, Plan, PlanError, candidates, fullest,
+                            min_budget_plain, min_budget_speculative, plain_call_rows, plan)
 
 from .manifest import Manifest
 
-CALIBRATION_SECTIONS = ("device_class", "memory", "latency", "acceptance", "source", "host", "model")
 # what Latency.from_calibration reads of a manifest when only a calibration's own curves are checked
 _NO_DRAFTERS = SimpleNamespace(drafters=(), target=SimpleNamespace(stats={}, layers=1))
 

@@ -43,6 +43,10 @@ MAX_NODES = 64
 _DRAFTER_RANK = {"none": 0, "lookup": 1, "recycling": 2, "hybrid": 3, "model": 4}
 
 
+# the top-level keys of a calibration JSON (edge-profile writes it; edge.planning.load_calibration checks it)
+CALIBRATION_SECTIONS = ("device_class", "memory", "latency", "acceptance", "source", "host", "model")
+
+
 class BudgetError(Exception):
     """Even plain decoding does not fit; says how many MB it needs and how many there are."""
 
@@ -272,7 +276,7 @@ class _Setup:
 
 def _setup(profile, manifest, stats, calibration, min_call, capacity=None) -> _Setup:
     cal = dict(calibration if calibration is not None else (getattr(profile, "calibration", None) or {}))
-    bad = sorted(set(cal) - {"device_class", "memory", "latency", "acceptance", "source", "host", "model"})
+    bad = sorted(set(cal) - set(CALIBRATION_SECTIONS))
     if bad:
         raise ValueError(f"unknown calibration section(s) {bad}; known: memory, latency, acceptance")
     # a profile simulated on the CPU uses CPU kernels, so its memory behaves like the CPU's
