@@ -17,7 +17,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from kernels.sampling import process_logits, sample_from
+from kernels.sampling import probs_from_top, process_logits, sample_from
 from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
@@ -28,7 +28,7 @@ from memory.planner import (DEFAULT_PRIORS, LatencyCurve, best_chain_length, bes
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .manifest import VERIFY_LEVELS, ModelDirError, check_drafter, load_manifest
-from .runner import GraphSession, open_session
+from .runner import HEAD_TOPK_MAX, HEAD_TOPK_NUCLEUS, GraphSession, open_session
 from .text import StreamDecoder, TextCodec
 
 DRAFTERS = ("auto", "hybrid", "recycling", "model", "lookup", "none")
@@ -230,6 +230,7 @@ class Engine:
                                                  **MEASURED_TOKEN_PRIORS})
         self._unverified: list[Draft] = []  # this step's candidate chains that were not verified
         self._call_ms: dict[int, float] = {}
+        self.head_hits = self.head_misses = 0  # sampled rows whose p came from the on-graph head / from the logits
         self._curve = None
         self._draft_ms = 0.0  # model drafter: ms per drafted token (EMA)
         self._idle: dict[str, int] = {}  # steps since the last probe on which the adaptive length chose K = 0
@@ -495,6 +496,35 @@ class Engine:
         cache.trim(cache.length - n)
         del self.cached[n:]
 
+    def _head_request(self, p: GenerationParams) -> tuple[int | None, bool]:
+        """(k the on-graph head should return probabilities for, or None; whether the call must return logits)."""
+        if not getattr(self.target, "head", False):
+            return None, p.temperature > 0 or not self.target.topk
+        if p.temperature == 0:
+            return None, False
+        if 0 < p.top_k <= HEAD_TOPK_MAX:
+            # the kept set is inside the head's k: exact without the logits, unless logits / T may overflow float32
+            # in the head's softmax (its rows are then NaN and processed from the logits)
+            return p.top_k, p.temperature < 1e-6
+        if p.top_k == 0 and p.top_p < 1:
+            return HEAD_TOPK_NUCLEUS, True  # the nucleus usually closes inside; the logits are there if it does not
+        return None, True  # every token can be drawn: the full distribution
+
+    def _target_probs(self, logits: np.ndarray | None, p: GenerationParams) -> np.ndarray:
+        """p [R, V] of the last verify call: each row from the on-graph head when its top k hold the row's kept set,
+        else from its logits (`kernels.sampling.process_logits`, which the head's rows equal to float rounding)."""
+        top = self.target.top_probs
+        if top is None:
+            self.head_misses += len(logits)
+            return process_logits(logits, p.temperature, p.top_k, p.top_p)
+        P, exact = probs_from_top(self.target.top_ids, top, self.target.vocab, p.top_k, p.top_p)
+        self.head_hits += int(exact.sum())
+        if not exact.all():  # rows whose nucleus reaches past the head's k: from their logits
+            assert logits is not None, "the head's k missed the kept set of a call that returned no logits"
+            self.head_misses += int((~exact).sum())
+            P[~exact] = process_logits(logits[~exact], p.temperature, p.top_k, p.top_p)
+        return P
+
     def _verify(self, root: int, d: Draft, p: GenerationParams, rng, before: int | None = None
                 ) -> tuple[list[int], list[int] | None, int]:
         """One target call over [root] + draft → (committed tokens, tree path or None, next token); `before` is the
@@ -502,12 +532,17 @@ class Engine:
         tokens = np.concatenate([[root], d.tokens]).astype(np.int64)
         L = self.target.cache.length
         greedy = p.temperature == 0
+        head_k, need_logits = self._head_request(p)
+        sample = None if head_k is None else (p.temperature, head_k)
         if d.is_chain:
-            logits = self.target.forward(tokens, logits=not greedy)  # [K+1, V] (None: greedy with on-graph top-k)
+            # [K+1, V] logits, or None when the on-graph head returns all this step needs (greedy, or a sampling cut
+            # that lies inside its top k)
+            logits = self.target.forward(tokens, logits=need_logits, sample=sample)
             layout = None
         else:
             layout = TreeLayout.from_parents(np.concatenate([[-1], d.parents]))
-            logits = self.target.forward(tokens, layout.position_ids(L), layout.attention_bias(L), logits=not greedy)
+            logits = self.target.forward(tokens, layout.position_ids(L), layout.attention_bias(L), logits=need_logits,
+                                         sample=sample)
         top = self.target.top_ids
         if top is not None:
             self.recycling.observe(tokens, top, None if layout is None else layout.parents, before)
@@ -516,14 +551,13 @@ class Engine:
             if greedy:
                 n, nxt = verify_greedy(d.tokens, argmax)
             else:
-                P = process_logits(logits, p.temperature, p.top_k, p.top_p)
-                n, nxt = verify_sampling(d.tokens, P, d.q, rng)
+                n, nxt = verify_sampling(d.tokens, self._target_probs(logits, p), d.q, rng)
             return [int(t) for t in tokens[: n + 1]], None, int(nxt)
         parents = layout.parents
         if greedy:
             path, nxt = verify_greedy_tree(tokens, parents, argmax)
         else:
-            P = process_logits(logits, p.temperature, p.top_k, p.top_p)
+            P = self._target_probs(logits, p)
             q = None if d.q is None else np.concatenate([d.q, np.zeros((1, d.q.shape[1]))])
             path, nxt = verify_sampling_tree(tokens, parents, P, q, rng)
         return [int(tokens[i]) for i in path], list(path), int(nxt)

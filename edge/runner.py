@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from kernels.postprocess import GREEDY_K, HEAD_INPUTS
 from kernels.sampling import top_k_ids
 
 from .kv import KVCache
 from .manifest import GraphEntry, Manifest
 
 NEG = np.finfo(np.float32).min
+HEAD_TOPK_MAX = 256  # sampling with top_k up to this reads the head's k probabilities alone (exact: the cut is inside)
+HEAD_TOPK_NUCLEUS = 64  # top-p without top-k: the head's k, enough for the nucleus of most rows (else the logits)
 
 
 def session_options(threads: int):
@@ -49,9 +52,20 @@ class GraphSession:
         self._logits = np.zeros((1, 1, graph.vocab), np.float32)  # grown on demand to the widest call seen
         self._keep = np.zeros(1, np.int64)
         outs = {o.name: o for o in self.sess.get_outputs()}
-        self.topk = int(outs["top_ids"].shape[-1]) if "top_ids" in outs else 0  # on-graph TopK, if exported
-        self._top = np.zeros((1, 1, max(1, self.topk)), np.int64)
-        self.top_ids = None  # [R, topk] of the last call, when the graph has the TopK output
+        # the on-graph head (kernels/postprocess.py) takes k and the temperature per call; graphs before it (export
+        # version 4) have a fixed-k TopK and no probabilities
+        self.head = set(HEAD_INPUTS) <= {i.name for i in self.sess.get_inputs()}
+        if self.head:
+            self.topk = min(GREEDY_K, self.vocab)
+        else:
+            self.topk = int(outs["top_ids"].shape[-1]) if "top_ids" in outs else 0  # on-graph TopK, if exported
+        self._top = np.zeros(max(1, self.topk), np.int64)  # flat: [1, R, k] views of any R, k stay contiguous
+        self._top_probs = np.zeros(max(1, self.topk), np.float32)
+        self._head_k = np.array([self.topk], np.int64)
+        self._temperature = np.ones(1, np.float32)
+        self._sampling = np.zeros((), bool)
+        self.top_ids = None  # [R, k] of the last call, when the graph has the TopK output
+        self.top_probs = None  # [R, k] of the last sampling call through the head: softmax(logits / T) at top_ids
         self.min_call = 1
         self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.cache.layer(i, j))
                            for i in range(graph.layers) for j in range(2)]  # kept alive: bindings hold pointers
@@ -91,14 +105,17 @@ class GraphSession:
             bias[0, 0, :, t - s :] = np.where(np.tril(np.ones((s, s), bool)), 0, NEG)
         return bias
 
-    def forward(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True) -> np.ndarray | None:
+    def forward(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True,
+                sample: tuple[float, int] | None = None) -> np.ndarray | None:
         """Run S tokens after the committed prefix; their K/V land in slots [length, length+S) uncommitted.
         Returns logits [R, V] (R = S, or `keep` last rows) — a view valid until the next call — or None with
-        logits=False on a graph with on-graph TopK (then only `self.top_ids` [R, topk] is filled)."""
+        logits=False on a graph with on-graph TopK (then only `self.top_ids` [R, topk] is filled).
+        `sample` = (temperature, k) on a graph with the head: `self.top_ids` and `self.top_probs` [R, k] are the k
+        best tokens and their probabilities at that temperature (else `self.top_probs` is None)."""
         ids = np.asarray(tokens, np.int64).reshape(1, -1)
         s = ids.shape[1]
         if s < self.min_call:
-            return self._forward_padded(ids, positions, bias, keep, logits)
+            return self._forward_padded(ids, positions, bias, keep, logits, sample)
         if s > self.max_call and keep == 0:
             raise ValueError(f"{s} tokens in one call with all logits kept (max {self.max_call})")
         self.cache.check_room(s)
@@ -109,6 +126,7 @@ class GraphSession:
         assert bias.shape == (1, 1, s, self.cache.length + s), (bias.shape, s, self.cache.length)
         r = s if keep == 0 else min(keep, s)
         self._keep[0] = keep
+        sample = sample if self.head else None
         want = logits or not self.topk
         b = self._bind_full if want else self._bind_top
         b.bind_cpu_input("input_ids", ids)
@@ -121,12 +139,27 @@ class GraphSession:
                 self._logits = np.zeros((1, r, self.vocab), np.float32)
             out = self._logits[:, :r]
             b.bind_ortvalue_output("logits", self.ort.OrtValue.ortvalue_from_numpy(out))
+        self.top_probs = None
         if self.topk:
-            if r > self._top.shape[1]:
-                self._top = np.zeros((1, r, self.topk), np.int64)
-            top = self._top[:, :r]
+            k = self.topk if sample is None else min(max(int(sample[1]), self.topk), self.vocab)
+            if r * k > self._top.size:
+                self._top = np.zeros(r * k, np.int64)
+            top = self._top[: r * k].reshape(1, r, k)
             b.bind_ortvalue_output("top_ids", self.ort.OrtValue.ortvalue_from_numpy(top))
             self.top_ids = top[0]
+            if self.head:
+                self._head_k[0] = k
+                self._sampling[()] = sample is not None
+                self._temperature[0] = 1.0 if sample is None else sample[0]
+                for name, arr in zip(HEAD_INPUTS, (self._head_k, self._temperature, self._sampling)):
+                    b.bind_cpu_input(name, arr)
+                # bound on every call: a binding left from an earlier call would have the wrong shape
+                if r * k > self._top_probs.size:
+                    self._top_probs = np.zeros(r * k, np.float32)
+                probs = self._top_probs[: r * k].reshape(1, r, k)
+                b.bind_ortvalue_output("top_probs", self.ort.OrtValue.ortvalue_from_numpy(probs))
+                if sample is not None:
+                    self.top_probs = probs[0]
         self.sess.run_with_iobinding(b)
         return out[0] if want else None
 
@@ -151,7 +184,7 @@ class GraphSession:
         self.cache.trim(len(prefix))
         return float(np.abs(tree - path).max()) < tol
 
-    def _forward_padded(self, ids, positions, bias, keep, logits=True) -> np.ndarray | None:
+    def _forward_padded(self, ids, positions, bias, keep, logits=True, sample=None) -> np.ndarray | None:
         """A 1-token call as the first row of a 2-row call; the pad row sees only itself, its K/V lands in a
         slot past the committed length (never visible) and its logits are dropped."""
         t = self.cache.length + 2
@@ -161,9 +194,11 @@ class GraphSession:
         b2 = np.full((1, 1, 2, t), NEG, np.float32)
         b2[0, 0, 0, : t - 1] = 0 if bias is None else np.asarray(bias, np.float32).reshape(-1)
         b2[0, 0, 1, t - 1] = 0
-        out = self.forward(np.append(ids.reshape(-1), ids[0, 0]), pos, b2, keep=0, logits=logits)
+        out = self.forward(np.append(ids.reshape(-1), ids[0, 0]), pos, b2, keep=0, logits=logits, sample=sample)
         if self.top_ids is not None:
             self.top_ids = self.top_ids[:1]
+        if self.top_probs is not None:
+            self.top_probs = self.top_probs[:1]
         return None if out is None else out[:1]
 
     def prefill(self, tokens, chunk: int = 512) -> np.ndarray:
@@ -219,6 +254,7 @@ class OptimumSession:
 
     topk = 8
     tree_exact = False
+    top_probs = None  # no on-graph head: sampling processes the logits
 
     def __init__(self, path: str, layers: int, kv_heads: int, head_dim: int, vocab: int, capacity: int,
                  threads: int = 2, providers=("CPUExecutionProvider",), max_len: int | None = None,
@@ -250,7 +286,8 @@ class OptimumSession:
         return cls(path, graph.layers, a["kv_heads"], a["head_dim"], graph.vocab, capacity, threads, providers,
                    max_len=graph.max_len or None, kv_dtype=dtype)
 
-    def forward(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True) -> np.ndarray:
+    def forward(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True,
+                sample=None) -> np.ndarray:
         ids = np.asarray(tokens, np.int64).reshape(1, -1)
         s = ids.shape[1]
         if bias is not None:

@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 
+from kernels.postprocess import HEAD_INPUTS, head_feeds
+
 NEG = np.finfo(np.float32).min
 
 
@@ -27,10 +29,12 @@ class GraphRunner:
         so.log_severity_level = 3
         self.sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         self.layers, self.kv_heads, self.head_dim, self.kv_dtype = layers, kv_heads, head_dim, kv_dtype
+        names = {i.name for i in self.sess.get_inputs()}
+        self._head = head_feeds(1) if set(HEAD_INPUTS) <= names else {}  # logits only: the head's cheapest call
 
     def _feeds(self, ids, pos, bias, past, keep=0):
         f = {"input_ids": np.asarray(ids, np.int64)[None], "position_ids": np.asarray(pos, np.int64)[None],
-             "attention_bias": bias, "logits_keep": np.array([keep], np.int64)}
+             "attention_bias": bias, "logits_keep": np.array([keep], np.int64), **self._head}
         for i in range(self.layers):
             f[f"past_key_values.{i}.key"], f[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
         return f

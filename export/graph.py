@@ -29,6 +29,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edge.manifest import GRAPH_VERSION  # noqa: F401  (bumped with every change to what this builder writes)
+from kernels.postprocess import sampling_head
 
 from .checkpoint import Checkpoint
 from .quant import quantize_asymmetric, quantize_blockwise
@@ -49,7 +50,7 @@ class GraphOptions:
     symmetric: bool = False  # False: min/max blocks with zero points (closer to GGUF's asymmetric Q4_1 source)
     layers: int | None = None  # early-exit drafter: the first N layers (+ final norm + head)
     max_len: int | None = None  # rotary table length; default: the model's max positions
-    topk: int = 8  # extra outputs top_ids/top_logits [1, R, topk] (on-graph TopK; 0 = none)
+    topk: int = 8  # > 0: the on-graph head (kernels/postprocess.py: top-k ids, logits, probabilities; k per call)
     pad_query: bool = True  # one extra attention query row, so 1-token calls compute what verify calls compute
 
     def __post_init__(self):
@@ -293,14 +294,13 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
         logits = g.node("Cast", [logits], name="logits_cast", to=TensorProto.FLOAT)[0]
     g.node("Identity", [logits], name="logits_out", outputs=["logits"])
     outputs.insert(0, helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "R", head.shape[0]]))
-    topk = min(opts.topk, head.shape[0])
-    if topk:
-        # greedy verification needs only the argmax and Token Recycling the top-k: returning k ids per row
-        # instead of [R, V] floats saves the numpy pass over the vocabulary (ties: lower id first, as argmax)
-        g.node("TopK", [logits, g.init("topk_k", np.array([topk], np.int64))], name="topk",
-               outputs=["top_logits", "top_ids"], axis=-1, largest=1, sorted=1)
-        outputs[1:1] = [helper.make_tensor_value_info("top_ids", TensorProto.INT64, [1, "R", topk]),
-                        helper.make_tensor_value_info("top_logits", TensorProto.FLOAT, [1, "R", topk])]
+    if opts.topk:
+        # greedy verification needs only the argmax and Token Recycling the top-k, sampling the probabilities of the
+        # best k: k ids (+ probabilities) per row instead of [R, V] floats for numpy to sort (kernels/postprocess.py)
+        head_nodes, head_inputs, head_outputs = sampling_head(logits)
+        g.nodes += head_nodes
+        inputs += head_inputs
+        outputs[1:1] = head_outputs
 
     graph = helper.make_graph(g.nodes, "edgespec_decoder", inputs, outputs, initializer=g.inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],

@@ -168,6 +168,48 @@ def process_logits(
     return probs.reshape(shape)
 
 
+def probs_from_top(
+    top_ids: np.ndarray, top_probs: np.ndarray, vocab: int, top_k: int = 0, top_p: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`process_logits`' distribution from each row's K best tokens alone, where they hold the kept set.
+
+    top_ids, top_probs: [R, K], best first with ties toward the lower id, ``top_probs`` = softmax(logits / T)
+    over the whole vocabulary at those ids (the on-graph head, :mod:`kernels.postprocess`). A row is exact when
+    its kept set lies inside its K: top-k with ``top_k <= K`` (any top-p), or no top-k and a nucleus that closes
+    within the K. Pure temperature sampling (no top-k, top-p 1) keeps every token: never exact unless K = V.
+    Returns (probs [R, vocab] float32, zero outside the kept set, rows summing to 1; exact [R] bool). Rows that
+    are not exact are all zero: process their logits instead.
+    """
+    _check_sampling_args(1.0, top_k, top_p)
+    ids = np.asarray(top_ids)
+    probs = np.asarray(top_probs, np.float64)
+    assert ids.ndim == 2 and ids.shape == probs.shape, (ids.shape, probs.shape)
+    rows, k = ids.shape
+    out = np.zeros((rows, vocab), np.float32)
+    if 0 < top_k < vocab:
+        if top_k > k:
+            return out, np.zeros(rows, bool)
+        probs = probs[:, :top_k]
+        target = top_p * probs.sum(-1)  # top-p is measured after top-k (process_logits renormalizes)
+        exact = np.ones(rows, bool)
+    elif k < vocab and top_p >= 1.0:
+        return out, np.zeros(rows, bool)
+    else:
+        target = top_p * np.ones(rows)  # full-vocabulary probabilities: each row sums to 1
+        # the nucleus must close inside the K (always true when K = V; rounding may leave a full row a hair short)
+        with np.errstate(invalid="ignore"):
+            exact = (np.cumsum(probs, -1)[:, -1] >= target) | (k >= vocab)
+    # a temperature so small that logits / T overflow gives the head's softmax NaN rows: process_logits clamps it
+    exact &= np.isfinite(probs).all(-1)
+    probs = np.where(exact[:, None], probs, 0.0)
+    before = np.cumsum(probs, -1) - probs  # mass of the better tokens
+    keep = (before < target[:, None]) | (top_p >= 1.0)  # the smallest prefix whose mass reaches the target
+    kept = np.where(keep & exact[:, None], probs, 0.0)
+    total = kept.sum(-1, keepdims=True)
+    np.put_along_axis(out, ids[:, : kept.shape[1]], (kept / np.where(total > 0, total, 1.0)).astype(np.float32), -1)
+    return out, exact
+
+
 def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one token id from ``probs`` ([V], non-negative, need not be normalized).
 

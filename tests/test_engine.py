@@ -193,12 +193,34 @@ def test_speculative_sampling_draws_the_targets_distribution(engine, drafter):
     (top-k 4 at temperature 1.5: 64 outcomes, 2000 samples, chi-square and TV at alpha 1e-6). The drafted tokens
     must be both accepted and rejected, or the test would not exercise the rule."""
     sampling = dict(temperature=1.5, top_k=4)
-    dist = _exact_first_tokens(engine, PROMPTS[2], 3, **sampling)
+    dist = _exact_first_tokens(engine, PROMPTS[2], 3, **sampling)  # from the full logits (process_logits)
     engine.generate(PROMPTS[2], max_tokens=40, drafter="none")  # warms Token Recycling's matrix
+    hits = engine.head_hits
     counts, drafted, accepted = _speculative_first_tokens(engine, PROMPTS[2], 2000, drafter, **sampling)
+    assert engine.head_hits > hits  # verification read p from the on-graph head's top 4
     assert 0 < accepted < drafted, (drafted, accepted)
     check = _check_against(dist, counts)
     assert check.ok, check
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=5), dict(top_p=0.9)])
+def test_sampling_at_a_vanishing_temperature_is_greedy(engine, kw):
+    """logits / 1e-39 overflows in the head's softmax (NaN rows); those rows are processed from the logits, whose
+    limit is the argmax: the answer is the greedy one."""
+    greedy = engine.generate(PROMPTS[1], max_tokens=12, drafter="recycling")
+    r = engine.generate(PROMPTS[1], max_tokens=12, temperature=1e-39, seed=2, drafter="recycling", **kw)
+    assert r.token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("kw,from_head", [(dict(top_k=5), True), (dict(top_k=5, top_p=0.5), True),
+                                          (dict(top_k=300), False), (dict(), False)])
+def test_sampling_reads_the_on_graph_head_when_it_holds_the_cut(engine, kw, from_head):
+    """A top-k cut inside the head's k is read from its probabilities; a wider one (over edge.runner.HEAD_TOPK_MAX)
+    or plain temperature sampling (every token can be drawn) is processed from the logits."""
+    h, m = engine.head_hits, engine.head_misses
+    r = engine.generate(PROMPTS[0], max_tokens=6, temperature=0.8, seed=1, drafter="recycling", **kw)
+    assert r.stats.steps > 0
+    assert (engine.head_hits > h, engine.head_misses > m) == (from_head, not from_head)
 
 
 def test_speculative_sampling_check_catches_a_wrong_rule(engine, monkeypatch):
@@ -424,3 +446,50 @@ def test_candidates_not_verified_are_scored_against_the_target(tiny_dir):
     e._learn_unverified([50])  # only one token known: it matched, nothing after it was tested
     assert acc.count["recycling:u@1/split"] == before["recycling:u@1/split"] + 1
     assert acc.count["recycling:u@2+/split"] == before["recycling:u@2+/split"]
+
+
+def _without_head(model_dir, out_dir):
+    """A copy of `model_dir` whose target graph is as export graph version 4 wrote it: a TopK with a constant k of
+    8 and no head inputs or probabilities (the exports users made before the head)."""
+    import json
+    import shutil
+
+    import onnx
+    from onnx import helper, numpy_helper
+
+    from edge.manifest import sha256_file
+
+    shutil.copytree(model_dir, out_dir)
+    m = json.loads((out_dir / "edge_model.json").read_text())
+    path = out_dir / next(g["file"] for g in m["graphs"] if g["role"] == "target")
+    model = onnx.load(str(path), load_external_data=False)
+    g = model.graph
+    topk = next(n for n in g.node if n.op_type == "TopK")
+    topk.input[1] = "topk_k"
+    g.initializer.append(numpy_helper.from_array(np.array([8], np.int64), "topk_k"))
+    keep = [n for n in g.node if n.op_type != "If"]
+    del g.node[:]
+    g.node.extend(keep)
+    for name in ("top_k", "temperature", "sample"):
+        g.input.remove(next(i for i in g.input if i.name == name))
+    for o in [o for o in g.output if o.name.startswith("top_")]:
+        g.output.remove(o)
+        if o.name != "top_probs":
+            g.output.append(helper.make_tensor_value_info(o.name, o.type.tensor_type.elem_type, [1, "R", 8]))
+    onnx.save(model, str(path))
+    rel = str(path.relative_to(out_dir))
+    for f in m["files"]:
+        if f["path"] == rel:
+            f.update(bytes=path.stat().st_size, sha256=sha256_file(path))
+    (out_dir / "edge_model.json").write_text(json.dumps(m))
+    return out_dir
+
+
+def test_exports_from_before_the_head_still_decode_and_sample(tiny_dir, engine, tmp_path):
+    old = edge.load(_without_head(tiny_dir, tmp_path / "v4"), drafter="none", context=256)
+    assert not old.target.head and engine.target.head and old.target.topk == 8
+    for drafter in ("none", "recycling"):
+        assert old.generate(PROMPTS[2], max_tokens=16, drafter=drafter).token_ids == \
+            engine.generate(PROMPTS[2], max_tokens=16, drafter=drafter).token_ids
+    r = old.generate(PROMPTS[2], max_tokens=16, temperature=0.8, top_k=5, seed=4, drafter="recycling")
+    assert r.stats.steps > 0 and old.head_hits == 0 and old.head_misses > 0  # p from the logits, as before

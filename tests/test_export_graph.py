@@ -17,6 +17,7 @@ from edge.runner import GraphSession
 from export import reference
 from export.checkpoint import load_hf_dir
 from export.graph import GraphOptions, build_graph, save_model
+from kernels.postprocess import head_feeds, sampling_head_reference
 from kernels.tree import TreeLayout
 
 TOL = 1e-4
@@ -36,8 +37,9 @@ def expected_io(layers: int, vocab: int, kv_type=TensorProto.FLOAT, topk: int = 
     ins = {"input_ids": (I, (1, "S")), "position_ids": (I, (1, "S")), "attention_bias": (F, (1, 1, "S", "T")),
            "logits_keep": (I, (1,))}
     outs = {"logits": (F, (1, "R", vocab))}
-    if topk:  # on-graph TopK for greedy verification
-        outs.update({"top_ids": (I, (1, "R", topk)), "top_logits": (F, (1, "R", topk))})
+    if topk:  # the on-graph head (kernels/postprocess.py): k and the temperature per call, each with a default
+        ins.update({"top_k": (I, (1,)), "temperature": (F, (1,)), "sample": (TensorProto.BOOL, ())})
+        outs.update({name: (t, (1, "R", "K")) for name, t in (("top_ids", I), ("top_logits", F), ("top_probs", F))})
     for i in range(layers):
         for kind in ("key", "value"):
             ins[f"past_key_values.{i}.{kind}"] = (kv_type, (1, 2, "max_len", 16))
@@ -131,7 +133,7 @@ def test_topk_outputs_match_logits(exported_llama, tiny_llama):
     c = tiny_llama.config
     ids = np.random.default_rng(4).integers(0, VOCAB, 19)
     feeds = {"input_ids": ids[None], "position_ids": np.arange(19)[None], "attention_bias": causal(19, 0),
-             "logits_keep": np.array([0], np.int64)}
+             "logits_keep": np.array([0], np.int64), **head_feeds(8)}
     for i in range(c.layers):
         for kind in ("key", "value"):
             feeds[f"past_key_values.{i}.{kind}"] = np.zeros((1, c.kv_heads, 0, c.head_dim), np.float32)
@@ -141,6 +143,12 @@ def test_topk_outputs_match_logits(exported_llama, tiny_llama):
     np.testing.assert_array_equal(top_ids, want)
     np.testing.assert_array_equal(top_logits, np.take_along_axis(logits, want, -1))
     np.testing.assert_array_equal(top_ids[:, 0], reference.forward(tiny_llama, ids).argmax(-1))
+    # a sampling call: k and the temperature fed, probabilities of the whole-vocabulary softmax at the top ids
+    feeds.update(head_feeds(20, 0.6))
+    logits, top_ids, top_probs = (a[0] for a in s.run(["logits", "top_ids", "top_probs"], feeds))
+    _, want_ids, want_probs = sampling_head_reference(logits, 20, 0.6)
+    np.testing.assert_array_equal(top_ids, want_ids)
+    np.testing.assert_allclose(top_probs, want_probs, rtol=1e-5, atol=1e-7)
 
 
 def test_layers_out_of_range(tiny_llama):
