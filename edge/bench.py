@@ -3,7 +3,9 @@
 Modes alternate per prompt (so drift of the machine's speed hits every mode alike), each prompt is repeated
 --reps times, and figures are medians. Every run of a prompt starts from the drafter state the earlier prompts
 left (Token Recycling's tables, acceptance statistics), never from one that has seen this prompt's own answer.
-Every mode's greedy output is compared token for token with `none`.
+Every mode's greedy output is compared token for token with `none`. With --temp > 0 the modes sample instead (a
+prompt's repeat r uses seed --seed + r in every mode); speculative sampling draws the target's distribution, not
+its sample, so outputs are not compared.
 Writes JSON (per prompt and per category) and a markdown table; asserts nothing about speed.
 """
 from __future__ import annotations
@@ -42,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="after each first answer, send TEXT as a second turn (e.g. a rewrite request); measured "
                          "under category '<cat>+turn2'")
     ap.add_argument("--draft-len", type=non_negative_int, help="draft length override (0-64)")
+    ap.add_argument("--temp", type=float, default=0.0,
+                    help="sampling temperature (default 0: greedy, every mode's output compared with none's)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    ap.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    ap.add_argument("--seed", type=int, default=0, help="base seed when sampling: repeat r of a prompt uses seed + r (default 0)")
     ap.add_argument("--cold", action="store_true",
                     help="every prompt starts from a fresh drafter state — Token Recycling's tables and the acceptance "
                          "statistics, as in a new process (the verify-latency measurements carry over) — instead of "
@@ -90,14 +97,15 @@ def _load_items(path: str, limit: int, cats: str | None) -> list[dict]:
     return [it for c in sorted(by) for it in by[c]]
 
 
-def _run_one(engine, it: dict, mode: str, a) -> list[dict]:
+def _run_one(engine, it: dict, mode: str, a, rep: int = 0) -> list[dict]:
     """One item through one mode: each turn of the item (plus --second-turn) as a chat; one record per turn."""
     engine.reset(keep_drafter_state=True)  # a long-running assistant keeps Token Recycling's matrix
     chat = engine.chat()
     turns = list(it["turns"]) + ([a.second_turn] if a.second_turn else [])
     recs = []
     for t, text in enumerate(turns):
-        r = chat.ask(text, max_tokens=a.max_tokens, drafter=mode, draft_len=a.draft_len)
+        r = chat.ask(text, max_tokens=a.max_tokens, drafter=mode, draft_len=a.draft_len, temperature=a.temp,
+                     top_p=a.top_p, top_k=a.top_k, seed=a.seed + rep + t)
         st = r.stats
         recs.append({"id": it["id"], "category": it.get("category", "?") + (f"+turn{t + 1}" if t else ""),
                      "mode": mode, "turn": t, "tokens": r.token_ids, "n_gen": st.generated,
@@ -118,7 +126,9 @@ def _add_learned(total: dict, before: dict, after: dict) -> None:
             total[x] = (th + h - h0, tn + n - n0)
 
 
-def summarize(runs: list[dict], modes: list[str]) -> dict:
+def summarize(runs: list[dict], modes: list[str], greedy: bool = True) -> dict:
+    """Per category and mode: medians over prompts of each prompt's median over repeats; `identical_to_none` counts
+    the prompts whose greedy output equals none's (None when sampling)."""
     med = statistics.median
     # per (prompt, turn, mode): median over reps
     cell: dict[tuple, list] = {}
@@ -155,21 +165,21 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
                 "target_ms_per_step": round(med(v["target_ms_per_step"] for v in vals), 2),
                 "draft_ms_per_step": round(med(v["draft_ms_per_step"] for v in vals), 2),
                 "overhead_ms_per_step": round(med(v["overhead_ms_per_step"] for v in vals), 3),
-                "identical_to_none": f"{sum(same)}/{len(same)}" if same else None,
+                "identical_to_none": f"{sum(same)}/{len(same)}" if same and greedy else None,
             }
         out[c] = row
     return out
 
 
 def markdown(summary: dict, modes: list[str]) -> str:
-    head = "| category | " + " | ".join(f"{m} tok/s (×none, acc/step, same)" for m in modes) + " |"
+    head = "| category | " + " | ".join(f"{m} tok/s (×none, acc/step, same as none)" for m in modes) + " |"
     lines = [head, "|" + "---|" * (len(modes) + 1)]
     for c, row in summary.items():
         cells = []
         for m in modes:
             v = row.get(m)
             cells.append("—" if not v else f"{v['decode_tok_s']} (×{v['ratio_vs_none']}, {v['mean_accepted']}, "
-                                           f"{v['identical_to_none']})")
+                                           f"{v['identical_to_none'] or 'sampled'})")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -192,9 +202,10 @@ def main(argv=None) -> int:
     if "none" not in modes:
         modes.insert(0, "none")  # the reference every other mode is compared with
     try:  # the engine's own bounds, checked before loading it
-        GenerationParams(max_tokens=a.max_tokens, draft_len=a.draft_len).check(0)
+        GenerationParams(max_tokens=a.max_tokens, draft_len=a.draft_len, temperature=a.temp, top_p=a.top_p,
+                         top_k=a.top_k, seed=a.seed).check(0)
     except EngineError as e:
-        print(f"edge-bench: error: --draft-len / --max-tokens: {e}", file=sys.stderr)
+        print(f"edge-bench: error: --draft-len / --max-tokens / --temp / --top-p / --top-k: {e}", file=sys.stderr)
         return 2
     out, md_out = _outputs(a.out)
     problem = unwritable(out) or unwritable(md_out)
@@ -240,7 +251,7 @@ def main(argv=None) -> int:
                 for m in modes[k:] + modes[:k]:  # rotate: no mode always runs first
                     engine.set_drafter_state(before)
                     tested = engine.token_acceptance.tested()
-                    for rec in _run_one(engine, it, m, a):
+                    for rec in _run_one(engine, it, m, a, rep):
                         rec["rep"] = rep
                         runs.append(rec)
                     after = after or engine.drafter_state()
@@ -252,12 +263,17 @@ def main(argv=None) -> int:
         print("edge-bench: interrupted; summarizing what ran", file=sys.stderr)
     if bar:
         bar.close()
-    summary = summarize(runs, modes)
+    summary = summarize(runs, modes, greedy=a.temp == 0)
     m = engine.manifest
+    sampled = engine.head_hits + engine.head_misses
     doc = {"summary": summary, "modes": modes, "reps": a.reps, "max_tokens": a.max_tokens,
            "model": m.name, "precision": m.target.precision, "threads": a.threads,
            "peak_rss_mb": round(peak_rss_mb(), 1), "wall_s": round(time.time() - t0, 1),
            "min_call": engine.target.min_call, "cold": a.cold,
+           "sampling": None if a.temp == 0 else {
+               "temperature": a.temp, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed,
+               # rows whose p the on-graph head gave (kernels/postprocess.py); the rest came from the logits
+               "rows_from_head": round(engine.head_hits / sampled, 4) if sampled else None},
            "token_acceptance": {x: {"lifetime": round(h / n, 4), "n": int(n)} for x, (h, n) in
                                 sorted(learned.items())},
            "runs": runs}

@@ -118,6 +118,28 @@ def test_bench_writes_json_and_markdown(model, tmp_path):
     assert out.with_suffix(".md").read_text().startswith("| category |")
 
 
+def test_bench_sampling_runs_every_mode_with_the_same_seeds(model, tmp_path):
+    """--temp: modes sample (outputs not compared: speculative sampling draws the distribution, not the sample);
+    the JSON records the settings and the share of rows the on-graph head served; repeat r runs seed + r."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "category": "qa", "turns": ["the quick brown fox"]}) + "\n")
+    out = tmp_path / "b.json"
+    r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "2", "--max-tokens", "12", "--modes",
+              "none,recycling", "--temp", "0.8", "--top-k", "20", "--seed", "7", "--out", str(out), "--quiet"])
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["sampling"]["temperature"] == 0.8 and doc["sampling"]["top_k"] == 20
+    assert doc["sampling"]["rows_from_head"] == 1.0  # a top-k cut inside the head's k: never the logits
+    assert doc["summary"]["qa"]["recycling"]["identical_to_none"] is None
+    assert "sampled" in out.with_suffix(".md").read_text()
+    import edge
+
+    e = edge.load(model, drafter="none", context=256)
+    none = [x["tokens"] for x in doc["runs"] if x["mode"] == "none"]
+    assert none == [e.generate("the quick brown fox", max_tokens=12, temperature=0.8, top_k=20, seed=7 + rep,
+                               drafter="none").token_ids for rep in range(2)]
+
+
 @pytest.mark.parametrize("lines,needle", [
     (['{"id": "a", "category": "qa"}'], "p.jsonl:1: expected"),  # no turns (was a KeyError traceback)
     (['{"category": "qa", "turns": ["hi"]}'], "p.jsonl:1: expected"),  # no id
@@ -138,7 +160,8 @@ def test_bench_bad_workload_lines_are_one_clear_error(model, tmp_path, lines, ne
 @pytest.mark.parametrize("flags,needle", [
     (["--reps", "0"], "--reps"), (["--max-tokens", "0"], "--max-tokens"), (["--limit", "-1"], "--limit"),
     (["--draft-len", "-1"], "--draft-len"), (["--draft-len", "65"], "--draft-len"), (["--modes", "bogus"], "bogus"),
-    (["--modes", "model"], "no drafter graph"),
+    (["--modes", "model"], "no drafter graph"), (["--temp", "-1"], "temperature"), (["--top-p", "0"], "top_p"),
+    (["--top-k", "-2"], "--top-k"),
 ])
 def test_bench_bad_flags_fail_before_running(tmp_path, exported_llama, tiny_llama_dir, flags, needle):
     from export.pipeline import export_model
