@@ -502,17 +502,20 @@ class Engine:
             return None, p.temperature > 0 or not self.target.topk
         if p.temperature == 0:
             return None, False
-        if 0 < p.top_k <= HEAD_TOPK_MAX:
-            # the kept set is inside the head's k: exact without the logits, unless logits / T may overflow float32
-            # in the head's softmax (its rows are then NaN and processed from the logits)
-            return p.top_k, p.temperature < 1e-6
-        if p.top_k == 0 and p.top_p < 1:
+        vocab = self.target.vocab
+        top_k = p.top_k if p.top_k < vocab else 0  # a cut at the whole vocabulary cuts nothing (process_logits)
+        if 0 < top_k <= HEAD_TOPK_MAX:
+            return top_k, False  # the kept set is inside the head's k: exact without the logits
+        if top_k == 0 and vocab <= HEAD_TOPK_MAX:
+            return vocab, False  # a small vocabulary: the head returns all of it
+        if top_k == 0 and p.top_p < 1:
             return HEAD_TOPK_NUCLEUS, True  # the nucleus usually closes inside; the logits are there if it does not
         return None, True  # every token can be drawn: the full distribution
 
     def _target_probs(self, logits: np.ndarray | None, p: GenerationParams) -> np.ndarray:
         """p [R, V] of the last verify call: each row from the on-graph head when its top k hold the row's kept set,
-        else from its logits (`kernels.sampling.process_logits`, which the head's rows equal to float rounding)."""
+        else from its logits (`kernels.sampling.process_logits`; the head's rows equal its to float rounding, bar a
+        top-p cut that lands within rounding of a cumulative mass)."""
         top = self.target.top_probs
         if top is None:
             self.head_misses += len(logits)
@@ -520,7 +523,9 @@ class Engine:
         P, exact = probs_from_top(self.target.top_ids, top, self.target.vocab, p.top_k, p.top_p)
         self.head_hits += int(exact.sum())
         if not exact.all():  # rows whose nucleus reaches past the head's k: from their logits
-            assert logits is not None, "the head's k missed the kept set of a call that returned no logits"
+            if logits is None:  # a cut inside the head's k declines only rows that are not finite
+                rows = np.flatnonzero(~exact).tolist()
+                raise ValueError(f"the model's probabilities in rows {rows} are not finite; the model output is corrupt")
             self.head_misses += int((~exact).sum())
             P[~exact] = process_logits(logits[~exact], p.temperature, p.top_k, p.top_p)
         return P

@@ -50,7 +50,7 @@ class GraphOptions:
     symmetric: bool = False  # False: min/max blocks with zero points (closer to GGUF's asymmetric Q4_1 source)
     layers: int | None = None  # early-exit drafter: the first N layers (+ final norm + head)
     max_len: int | None = None  # rotary table length; default: the model's max positions
-    topk: int = 8  # > 0: the on-graph head (kernels/postprocess.py: top-k ids, logits, probabilities; k per call)
+    topk: int = 8  # 0: no on-graph head; else the head (kernels/postprocess.py), whose k the runtime feeds per call
     pad_query: bool = True  # one extra attention query row, so 1-token calls compute what verify calls compute
 
     def __post_init__(self):

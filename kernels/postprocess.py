@@ -33,14 +33,21 @@ def head_feeds(k: int, temperature: float | None = None) -> dict[str, np.ndarray
 
 def sampling_head(logits: str) -> tuple[list, list, list]:
     """Nodes, graph inputs and graph outputs (onnx protos) of the head over the tensor named `logits` [1, R, V]."""
-    from onnx import TensorProto, helper
+    from onnx import TensorProto, helper, numpy_helper
 
+    # (logits - row max) / T, the max being the TopK's first value: dividing first would round near-ties together
+    # at small temperatures (x / T is large) and overflow to NaN rows at tiny ones
     then = helper.make_graph(
-        [helper.make_node("Div", [logits, "temperature"], ["head/scaled"], name="head/scale"),
+        [helper.make_node("Slice", ["top_logits", "head/zero", "head/one", "head/last_axis"], ["head/max"],
+                          name="head/row_max"),
+         helper.make_node("Sub", [logits, "head/max"], ["head/shifted"], name="head/shift"),
+         helper.make_node("Div", ["head/shifted", "temperature"], ["head/scaled"], name="head/scale"),
          helper.make_node("Softmax", ["head/scaled"], ["head/probs"], name="head/softmax", axis=-1),
          helper.make_node("GatherElements", ["head/probs", "top_ids"], ["head/top_probs"], name="head/gather",
                           axis=-1)],
-        "sampling", [], [helper.make_tensor_value_info("head/top_probs", TensorProto.FLOAT, None)])
+        "sampling", [], [helper.make_tensor_value_info("head/top_probs", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(np.array([v], np.int64), n)
+                     for n, v in (("head/zero", 0), ("head/one", 1), ("head/last_axis", -1))])
     otherwise = helper.make_graph(
         [helper.make_node("Identity", ["top_logits"], ["head/no_probs"], name="head/greedy")],
         "greedy", [], [helper.make_tensor_value_info("head/no_probs", TensorProto.FLOAT, None)])
@@ -79,8 +86,7 @@ def sampling_head_reference(logits: np.ndarray, k: int, temperature: float | Non
     top = np.take_along_axis(x, ids, -1)
     if temperature is None:
         return top, ids, top.copy()
-    z = x.astype(np.float64) / temperature
-    z -= z.max(-1, keepdims=True)
+    z = (x.astype(np.float64) - x.max(-1, keepdims=True)) / temperature
     p = np.exp(z)
     p /= p.sum(-1, keepdims=True)
     return top, ids, np.take_along_axis(p, ids, -1).astype(np.float32)

@@ -195,14 +195,16 @@ def probs_from_top(
     elif k < vocab and top_p >= 1.0:
         return out, np.zeros(rows, bool)
     else:
-        target = top_p * np.ones(rows)  # full-vocabulary probabilities: each row sums to 1
+        # full-vocabulary probabilities: each row sums to 1 (process_logits measures the sum, which rounding may put
+        # a few 1e-7 off: a cut landing that close to a cumulative mass may keep one token more or fewer)
+        target = top_p * np.ones(rows)
         # the nucleus must close inside the K (always true when K = V; rounding may leave a full row a hair short)
         with np.errstate(invalid="ignore"):
             exact = (np.cumsum(probs, -1)[:, -1] >= target) | (k >= vocab)
-    # a temperature so small that logits / T overflow gives the head's softmax NaN rows: process_logits clamps it
-    exact &= np.isfinite(probs).all(-1)
+    exact &= np.isfinite(probs).all(-1)  # NaN / inf logits (a corrupt model output): process_logits names them
     probs = np.where(exact[:, None], probs, 0.0)
-    before = np.cumsum(probs, -1) - probs  # mass of the better tokens
+    cum = np.cumsum(probs, -1)
+    before = np.concatenate([np.zeros((rows, 1)), cum[:, :-1]], -1)  # mass of the better tokens
     keep = (before < target[:, None]) | (top_p >= 1.0)  # the smallest prefix whose mass reaches the target
     kept = np.where(keep & exact[:, None], probs, 0.0)
     total = kept.sum(-1, keepdims=True)

@@ -205,14 +205,31 @@ def test_speculative_sampling_draws_the_targets_distribution(engine, drafter):
 
 @pytest.mark.parametrize("kw", [dict(top_k=5), dict(top_p=0.9)])
 def test_sampling_at_a_vanishing_temperature_is_greedy(engine, kw):
-    """logits / 1e-39 overflows in the head's softmax (NaN rows); those rows are processed from the logits, whose
-    limit is the argmax: the answer is the greedy one."""
+    """At temperature 1e-39 the distribution is the argmax (the head shifts by the row max before dividing, so
+    logits / T neither overflows nor rounds near-ties together): the answer is the greedy one."""
     greedy = engine.generate(PROMPTS[1], max_tokens=12, drafter="recycling")
     r = engine.generate(PROMPTS[1], max_tokens=12, temperature=1e-39, seed=2, drafter="recycling", **kw)
     assert r.token_ids == greedy.token_ids
 
 
+def test_corrupt_model_output_while_sampling_is_a_clear_error(engine, monkeypatch):
+    """A top-k cut reads only the head; a NaN row there (a corrupt model output) is a ValueError that says so."""
+    import edge.engine as engine_mod
+
+    real = engine_mod.probs_from_top
+
+    def nan_rows(ids, probs, *a):
+        return real(ids, np.full_like(probs, np.nan), *a)
+
+    monkeypatch.setattr(engine_mod, "probs_from_top", nan_rows)
+    with pytest.raises(ValueError, match="not finite; the model output is corrupt"):
+        engine.generate(PROMPTS[1], max_tokens=6, temperature=0.8, top_k=5, seed=2, drafter="recycling")
+    monkeypatch.undo()
+    assert engine.generate(PROMPTS[1], max_tokens=4).finish_reason  # the engine still answers
+
+
 @pytest.mark.parametrize("kw,from_head", [(dict(top_k=5), True), (dict(top_k=5, top_p=0.5), True),
+                                          (dict(top_k=10**6, top_p=0.5), True),  # a cut at the vocabulary: none
                                           (dict(top_k=300), False), (dict(), False)])
 def test_sampling_reads_the_on_graph_head_when_it_holds_the_cut(engine, kw, from_head):
     """A top-k cut inside the head's k is read from its probabilities; a wider one (over edge.runner.HEAD_TOPK_MAX)

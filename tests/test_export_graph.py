@@ -37,7 +37,7 @@ def expected_io(layers: int, vocab: int, kv_type=TensorProto.FLOAT, topk: int = 
     ins = {"input_ids": (I, (1, "S")), "position_ids": (I, (1, "S")), "attention_bias": (F, (1, 1, "S", "T")),
            "logits_keep": (I, (1,))}
     outs = {"logits": (F, (1, "R", vocab))}
-    if topk:  # the on-graph head (kernels/postprocess.py): k and the temperature per call, each with a default
+    if topk:  # the on-graph head (kernels/postprocess.py): k and the temperature per call
         ins.update({"top_k": (I, (1,)), "temperature": (F, (1,)), "sample": (TensorProto.BOOL, ())})
         outs.update({name: (t, (1, "R", "K")) for name, t in (("top_ids", I), ("top_logits", F), ("top_probs", F))})
     for i in range(layers):

@@ -17,6 +17,7 @@ def _logits(seed: int, rows: int = 5, vocab: int = V) -> np.ndarray:
     x = rng.standard_normal((rows, vocab)).astype(np.float32) * np.array([0.3, 1, 3, 6, 12][:rows], np.float32)[:, None]
     x[1, [7, 900]] = x[1].max() + 1  # tied best: the lower id first
     x[2, [5, 6, 2000]] = np.sort(x[2])[-30]  # ties around rank 30
+    x[3, 40] = x[3].max() - 1e-3  # a near-tie at the top: at a small temperature float32 must keep them apart
     return x
 
 
@@ -27,7 +28,8 @@ def head():
     return ort.InferenceSession(sampling_head_model(V).SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize("k,temperature", [(1, None), (8, None), (8, 0.7), (64, 1.0), (300, 2.5), (64, 0.05)])
+@pytest.mark.parametrize("k,temperature", [(1, None), (8, None), (8, 0.7), (64, 1.0), (300, 2.5), (64, 0.05), (16, 1e-4),
+                                           (16, 1e-39)])
 def test_head_matches_its_reference(head, k, temperature):
     x = _logits(k)
     top_logits, top_ids, top_probs = head.run(None, {"logits": x[None], **head_feeds(k, temperature)})
