@@ -64,3 +64,22 @@ def test_real_chat_second_turn_reuses_cache_and_lookup_drafts(real, monkeypatch)
     assert second.stats.accepted > 0
     assert "moon" in first.text.lower()
     assert "<|im_end|>" not in first.text and "<|im_end|>" not in second.text  # EOS ends text, never shows
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 40, 1.0), (0.7, 0, 0.9), (1.0, 50, 0.95), (0.3, 0, 0.8)])
+def test_real_sampling_head_gives_the_distribution_of_the_logits(real, temperature, top_k, top_p):
+    """One 6-row verify call on the real vocabulary (49152): the on-graph head's probabilities, read row by row
+    where they hold the kept set, equal process_logits over the same call's logits (same support, same p)."""
+    from kernels.sampling import probs_from_top, process_logits
+
+    real.reset()
+    ids = real.encode("Explain how tides work.")
+    real.target.prefill(ids)
+    k = top_k or 64
+    logits = real.target.forward([504, 3458, 282, 4649, 314, 7042], logits=True, sample=(temperature, k)).copy()
+    P, exact = probs_from_top(real.target.top_ids, real.target.top_probs, real.target.vocab, top_k, top_p)
+    want = process_logits(logits, temperature, top_k, top_p)
+    assert exact.sum() >= 4, exact  # most rows' kept set is inside the head's k here
+    np.testing.assert_array_equal(P[exact] > 0, want[exact] > 0)
+    np.testing.assert_allclose(P[exact], want[exact], rtol=1e-4, atol=1e-6)
+    real.reset()
