@@ -48,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="sampling temperature (default 0: greedy, every mode's output compared with none's)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
     ap.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k most likely tokens (default 0: off)")
-    ap.add_argument("--seed", type=int, default=0, help="base seed when sampling: repeat r of a prompt uses seed + r (default 0)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="base seed when sampling: repeat r of a prompt uses seed + r in every mode (turn t of a chat "
+                         "adds 1000·t) (default 0)")
     ap.add_argument("--cold", action="store_true",
                     help="every prompt starts from a fresh drafter state — Token Recycling's tables and the acceptance "
                          "statistics, as in a new process (the verify-latency measurements carry over) — instead of "
@@ -105,7 +107,7 @@ def _run_one(engine, it: dict, mode: str, a, rep: int = 0) -> list[dict]:
     recs = []
     for t, text in enumerate(turns):
         r = chat.ask(text, max_tokens=a.max_tokens, drafter=mode, draft_len=a.draft_len, temperature=a.temp,
-                     top_p=a.top_p, top_k=a.top_k, seed=a.seed + rep + t)
+                     top_p=a.top_p, top_k=a.top_k, seed=a.seed + rep + 1000 * t)
         st = r.stats
         recs.append({"id": it["id"], "category": it.get("category", "?") + (f"+turn{t + 1}" if t else ""),
                      "mode": mode, "turn": t, "tokens": r.token_ids, "n_gen": st.generated,
@@ -205,7 +207,7 @@ def main(argv=None) -> int:
         GenerationParams(max_tokens=a.max_tokens, draft_len=a.draft_len, temperature=a.temp, top_p=a.top_p,
                          top_k=a.top_k, seed=a.seed).check(0)
     except EngineError as e:
-        print(f"edge-bench: error: --draft-len / --max-tokens / --temp / --top-p / --top-k: {e}", file=sys.stderr)
+        print(f"edge-bench: error: --draft-len / --max-tokens / --temp / --top-p / --top-k / --seed: {e}", file=sys.stderr)
         return 2
     out, md_out = _outputs(a.out)
     problem = unwritable(out) or unwritable(md_out)
@@ -278,6 +280,8 @@ def main(argv=None) -> int:
                                 sorted(learned.items())},
            "runs": runs}
     md = markdown(summary, modes)
+    if a.temp > 0:
+        md += f"\n\nSampled at temperature {a.temp}, top-p {a.top_p}, top-k {a.top_k or 'off'}, seed {a.seed} + repeat."
     try:
         out.write_text(json.dumps(doc))
         md_out.write_text(md + "\n")

@@ -14,6 +14,7 @@ from .kv import KVCache
 from .manifest import GraphEntry, Manifest
 
 NEG = np.finfo(np.float32).min
+F32_TINY, F32_MAX = float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max)
 HEAD_TOPK_MAX = 256  # sampling with top_k up to this reads the head's k probabilities alone (exact: the cut is inside)
 HEAD_TOPK_NUCLEUS = 64  # top-p without top-k: the head's k, enough for the nucleus of most rows (else the logits)
 
@@ -150,7 +151,9 @@ class GraphSession:
             if self.head:
                 self._head_k[0] = k
                 self._sampling[()] = sample is not None
-                self._temperature[0] = 1.0 if sample is None else sample[0]
+                # float32 on the graph: a temperature that would round to 0 (NaN rows) or overflow takes the nearest
+                # representable one, whose softmax is the same limit process_logits computes
+                self._temperature[0] = 1.0 if sample is None else min(max(sample[0], F32_TINY), F32_MAX)
                 for name, arr in zip(HEAD_INPUTS, (self._head_k, self._temperature, self._sampling)):
                     b.bind_cpu_input(name, arr)
                 # bound on every call: a binding left from an earlier call would have the wrong shape

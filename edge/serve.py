@@ -1,6 +1,6 @@
 """edge-serve: an OpenAI-compatible local HTTP server for one exported model.
 
-    POST /v1/chat/completions   messages, max_tokens, temperature, top_p, seed, stop, stream (+ stream_options)
+    POST /v1/chat/completions   messages, max_tokens, temperature, top_p, top_k, seed, stop, stream (+ stream_options)
     GET  /v1/models             the loaded model
     GET  /health                status and counters
 
@@ -190,10 +190,14 @@ def parse_chat_request(raw: bytes, default_max_tokens: int) -> ChatRequest:
     if opts is not None and (not stream or not isinstance(opts, dict)):
         raise ApiError(400, "stream_options is only allowed with stream: true, as an object", "stream_options",
                        "invalid_value")
+    top_k = body.get("top_k")  # not OpenAI's, but vLLM's and llama.cpp's servers take it (-1 / 0: no cut)
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < -1):
+        raise ApiError(400, f"top_k must be an integer >= 0, or -1 for none (got {top_k!r})", "top_k", "invalid_value")
     params = dict(max_tokens=max_tokens or default_max_tokens,
                   temperature=_number(body, "temperature", 0.0, 2.0, 1.0),
                   top_p=_number(body, "top_p", 0.0, 1.0, 1.0), seed=None if seed is None else seed % 2**64,
-                  stop=_stop(body), **_extensions(body))  # numpy seeds are unsigned; OpenAI's may be negative
+                  stop=_stop(body), **({"top_k": top_k} if top_k and top_k > 0 else {}),
+                  **_extensions(body))  # numpy seeds are unsigned; OpenAI's may be negative
     if params["top_p"] == 0:
         raise ApiError(400, "top_p must be in (0, 1] (got 0)", "top_p", "invalid_value")
     return ChatRequest(messages, params, stream, bool((opts or {}).get("include_usage")))

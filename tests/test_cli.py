@@ -131,7 +131,8 @@ def test_bench_sampling_runs_every_mode_with_the_same_seeds(model, tmp_path):
     assert doc["sampling"]["temperature"] == 0.8 and doc["sampling"]["top_k"] == 20
     assert doc["sampling"]["rows_from_head"] == 1.0  # a top-k cut inside the head's k: never the logits
     assert doc["summary"]["qa"]["recycling"]["identical_to_none"] is None
-    assert "sampled" in out.with_suffix(".md").read_text()
+    assert "sampled" in out.with_suffix(".md").read_text() and "temperature 0.8, top-p 1.0, top-k 20" in \
+        out.with_suffix(".md").read_text()
     import edge
 
     e = edge.load(model, drafter="none", context=256)
@@ -161,7 +162,7 @@ def test_bench_bad_workload_lines_are_one_clear_error(model, tmp_path, lines, ne
     (["--reps", "0"], "--reps"), (["--max-tokens", "0"], "--max-tokens"), (["--limit", "-1"], "--limit"),
     (["--draft-len", "-1"], "--draft-len"), (["--draft-len", "65"], "--draft-len"), (["--modes", "bogus"], "bogus"),
     (["--modes", "model"], "no drafter graph"), (["--temp", "-1"], "temperature"), (["--top-p", "0"], "top_p"),
-    (["--top-k", "-2"], "--top-k"),
+    (["--top-k", "-2"], "--top-k"), (["--seed", "-1"], "--seed"),
 ])
 def test_bench_bad_flags_fail_before_running(tmp_path, exported_llama, tiny_llama_dir, flags, needle):
     from export.pipeline import export_model

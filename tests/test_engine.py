@@ -203,13 +203,20 @@ def test_speculative_sampling_draws_the_targets_distribution(engine, drafter):
     assert check.ok, check
 
 
-@pytest.mark.parametrize("kw", [dict(top_k=5), dict(top_p=0.9)])
-def test_sampling_at_a_vanishing_temperature_is_greedy(engine, kw):
-    """At temperature 1e-39 the distribution is the argmax (the head shifts by the row max before dividing, so
-    logits / T neither overflows nor rounds near-ties together): the answer is the greedy one."""
+@pytest.mark.parametrize("temperature", [1e-39, 1e-46, 5e-324])
+@pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_k=5), dict(top_p=0.9)])
+def test_sampling_at_a_vanishing_temperature_is_greedy(engine, kw, temperature):
+    """At a vanishing temperature the distribution is the argmax (the head shifts by the row max before dividing,
+    so logits / T neither overflows nor rounds near-ties together; a temperature below float32's smallest, which
+    would reach the graph as 0, is fed as that smallest): the answer is the greedy one."""
     greedy = engine.generate(PROMPTS[1], max_tokens=12, drafter="recycling")
-    r = engine.generate(PROMPTS[1], max_tokens=12, temperature=1e-39, seed=2, drafter="recycling", **kw)
+    r = engine.generate(PROMPTS[1], max_tokens=12, temperature=temperature, seed=2, drafter="recycling", **kw)
     assert r.token_ids == greedy.token_ids
+
+
+def test_sampling_at_a_huge_temperature_warns_nothing(engine, recwarn):
+    r = engine.generate(PROMPTS[1], max_tokens=6, temperature=1e39, top_k=5, seed=2, drafter="recycling")
+    assert r.stats.steps > 0 and not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
 
 
 def test_corrupt_model_output_while_sampling_is_a_clear_error(engine, monkeypatch):

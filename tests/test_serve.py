@@ -152,11 +152,13 @@ def test_per_request_drafter_is_lossless(client, fresh, drafter):
     assert ext["drafter"] == drafter and (ext["drafted"] == 0) == (drafter == "none")
 
 
-def test_seeded_sampling_follows_the_request(client, fresh):
+@pytest.mark.parametrize("top_k", [None, 5])
+def test_seeded_sampling_follows_the_request(client, fresh, top_k):
     kw = dict(max_tokens=20, temperature=0.9, top_p=0.8, seed=7)
-    ref = fresh(CONV, **kw)
-    got = [client.chat.completions.create(model="tiny", messages=CONV, extra_body={"edgespec": {"drafter": "none"}},
-                                          **kw).choices[0].message.content for _ in range(2)]
+    ref = fresh(CONV, **kw, **({} if top_k is None else {"top_k": top_k}))
+    extra = {"edgespec": {"drafter": "none"}, **({} if top_k is None else {"top_k": top_k})}
+    got = [client.chat.completions.create(model="tiny", messages=CONV, extra_body=extra, **kw).choices[0].message.content
+           for _ in range(2)]
     assert got == [ref.text, ref.text]
 
 
@@ -333,6 +335,8 @@ BAD = [
     ("unknown extension", {"messages": _msgs("user"), "edgespec": {"turbo": True}}, "edgespec", "invalid_value"),
     ("model not a string", {"messages": _msgs("user"), "model": 123}, "model", "invalid_value"),
     ("n is a bool", {"messages": _msgs("user"), "n": True}, "n", "invalid_value"),
+    ("top_k below -1", {"messages": _msgs("user"), "top_k": -2}, "top_k", "invalid_value"),
+    ("top_k float", {"messages": _msgs("user"), "top_k": 2.5}, "top_k", "invalid_value"),
 ]
 
 
@@ -358,6 +362,10 @@ def test_parse_accepts_openai_shapes():
     assert parse_chat_request(b'{"messages": [{"role": "user", "content": "x"}]}', 16).params["max_tokens"] == 16
     assert parse_chat_request(b'{"messages": [{"role": "user", "content": "x"}], "seed": -1}', 16).params["seed"] \
         == 2**64 - 1
+    # top_k as vLLM's and llama.cpp's servers take it: a cut, or -1 / 0 for none
+    top = [parse_chat_request(json.dumps({"messages": _msgs("user"), "top_k": k}).encode(), 16).params.get("top_k")
+           for k in (40, 0, -1)]
+    assert top == [40, None, None]
 
 
 @pytest.mark.parametrize("name,body,param,code", [BAD[0], BAD[4], BAD[7], BAD[17]], ids=lambda v: str(v)[:20])
