@@ -47,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--temp", type=float, default=0.0,
                     help="sampling temperature (default 0: greedy, every mode's output compared with none's)")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
-    ap.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    ap.add_argument("--top-k", type=non_negative_int, default=0,
+                    help="sample among the k most likely tokens (default 0: off)")
     ap.add_argument("--seed", type=int, default=0,
                     help="base seed when sampling: repeat r of a prompt uses seed + r in every mode (turn t of a chat "
                          "adds 1000·t) (default 0)")
@@ -207,7 +208,8 @@ def main(argv=None) -> int:
         GenerationParams(max_tokens=a.max_tokens, draft_len=a.draft_len, temperature=a.temp, top_p=a.top_p,
                          top_k=a.top_k, seed=a.seed).check(0)
     except EngineError as e:
-        print(f"edge-bench: error: --draft-len / --max-tokens / --temp / --top-p / --top-k / --seed: {e}", file=sys.stderr)
+        print(f"edge-bench: error: --draft-len / --max-tokens / --temp / --top-p / --top-k / --seed: {e}",
+              file=sys.stderr)
         return 2
     out, md_out = _outputs(a.out)
     problem = unwritable(out) or unwritable(md_out)

@@ -525,7 +525,8 @@ class Engine:
         if not exact.all():  # rows whose nucleus reaches past the head's k: from their logits
             if logits is None:  # a cut inside the head's k declines only rows that are not finite
                 rows = np.flatnonzero(~exact).tolist()
-                raise ValueError(f"the model's probabilities in rows {rows} are not finite; the model output is corrupt")
+                raise ValueError(f"the model's probabilities in rows {rows} are not finite; "
+                                 "the model output is corrupt")
             self.head_misses += int((~exact).sum())
             P[~exact] = process_logits(logits[~exact], p.temperature, p.top_k, p.top_p)
         return P
