@@ -498,8 +498,8 @@ class Engine:
 
     def _head_request(self, p: GenerationParams) -> tuple[int | None, bool]:
         """(k the on-graph head should return probabilities for, or None; whether the call must return logits)."""
-        if not getattr(self.target, "head", False):
-            return None, p.temperature > 0 or not self.target.topk
+        if not self.target.head:  # sampling needs the logits (a graph without any TopK returns them anyway)
+            return None, p.temperature > 0
         if p.temperature == 0:
             return None, False
         vocab = self.target.vocab

@@ -257,7 +257,8 @@ class OptimumSession:
 
     topk = 8
     tree_exact = False
-    top_probs = None  # no on-graph head: sampling processes the logits
+    head = False  # no on-graph head: sampling processes the logits
+    top_probs = None
 
     def __init__(self, path: str, layers: int, kv_heads: int, head_dim: int, vocab: int, capacity: int,
                  threads: int = 2, providers=("CPUExecutionProvider",), max_len: int | None = None,

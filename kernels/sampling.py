@@ -200,13 +200,12 @@ def probs_from_top(
         target = top_p * np.ones(rows)
         # the nucleus must close inside the K (always true when K = V; rounding may leave a full row a hair short)
         with np.errstate(invalid="ignore"):
-            exact = (np.cumsum(probs, -1)[:, -1] >= target) | (k >= vocab)
+            exact = (probs.sum(-1) >= target) | (k >= vocab)
     exact &= np.isfinite(probs).all(-1)  # NaN / inf logits (a corrupt model output): process_logits names them
-    probs = np.where(exact[:, None], probs, 0.0)
-    cum = np.cumsum(probs, -1)
-    before = np.concatenate([np.zeros((rows, 1)), cum[:, :-1]], -1)  # mass of the better tokens
+    probs = np.where(exact[:, None], probs, 0.0)  # declined rows: all zero from here on
+    before = np.concatenate([np.zeros((rows, 1)), np.cumsum(probs, -1)[:, :-1]], -1)  # mass of the better tokens
     keep = (before < target[:, None]) | (top_p >= 1.0)  # the smallest prefix whose mass reaches the target
-    kept = np.where(keep & exact[:, None], probs, 0.0)
+    kept = np.where(keep, probs, 0.0)
     total = kept.sum(-1, keepdims=True)
     np.put_along_axis(out, ids[:, : kept.shape[1]], (kept / np.where(total > 0, total, 1.0)).astype(np.float32), -1)
     return out, exact

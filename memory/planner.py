@@ -5,8 +5,10 @@ plans whose predicted peak memory fits the budget.
 
 E[accepted] comes from `AcceptanceStats` (per depth and rank, updated online), t_verify from a latency curve
 (a calibration's measurements, or the default shape below), peak memory from `footprint.predict_peak`.
-Re-planning as the KV cache grows (`replan`) never grows the plan back: it shrinks the tree, then K, then moves
-to a cheaper drafter, then plain decoding; only when plain decoding does not fit does it raise `BudgetError`.
+`replan` re-plans under the previous plan as a ceiling (it shrinks the tree, then K, then moves to a cheaper
+drafter, then plain decoding; `BudgetError` only when plain decoding does not fit). edge.engine does not use it:
+it makes a fresh `plan` for every request at the context that request can reach, since a ceiling kept one poor
+turn's choice for the rest of the chat.
 
 A profile is duck-typed (`devices.DeviceProfile` fits): budget_mb, device_class, simulated, shape_buckets,
 prefill_chunk, weight_precisions, calibration (dict), name. None means an unconstrained CPU.

@@ -15,7 +15,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np
 import pytest
 
-from kernels.postprocess import head_feeds
+from kernels.postprocess import HEAD_INPUTS, head_feeds
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 384  # 3 specials + 256 byte symbols + 125 merges
@@ -183,7 +183,7 @@ class SharedKV:
         b.bind_cpu_input("position_ids", np.asarray(positions, np.int64).reshape(1, -1))
         b.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))
         b.bind_cpu_input("logits_keep", np.array([keep], np.int64))
-        if "top_k" in {i.name for i in self.sess.get_inputs()}:  # the on-graph head: its cheapest call
+        if set(HEAD_INPUTS) <= {i.name for i in self.sess.get_inputs()}:  # the on-graph head: its cheapest call
             for name, arr in head_feeds(1).items():
                 b.bind_cpu_input(name, arr)
         b.bind_output("logits")  # first: copy_outputs_to_cpu() lists outputs in binding order
