@@ -6,6 +6,10 @@ left (Token Recycling's tables, acceptance statistics), never from one that has 
 Every mode's greedy output is compared token for token with `none`. With --temp > 0 the modes sample instead (a
 prompt's repeat r uses seed --seed + r in every mode); speculative sampling draws the target's distribution, not
 its sample, so outputs are not compared.
+With --peer-model, onnxruntime-genai (../shared/peers/) joins the rotation as modes `genai` (greedy) and
+`genai-ngram` (its n-gram speculation), on the same token ids, first turns only; the JSON then compares every mode
+with the peer's best mode per category (`versus_peer`) and counts the peer's n-gram answers that kept its own greedy
+text.
 Writes JSON (per prompt and per category) and a markdown table; asserts nothing about speed.
 """
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 from .cli import non_negative_int, positive_int
 from .files import unwritable
+from .peer import PEER_MODES, PEER_REFERENCE, Peer, PeerError
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "public.jsonl"
 
@@ -35,7 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edge-bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
-    ap.add_argument("--modes", default="none,lookup,recycling,hybrid", help="comma-separated drafter modes (default none,lookup,recycling,hybrid)")
+    ap.add_argument("--modes", default="none,lookup,recycling,hybrid",
+                    help="comma-separated drafter modes (default none,lookup,recycling,hybrid); with --peer-model also "
+                         "genai and genai-ngram (both by default)")
     ap.add_argument("--reps", type=positive_int, default=3, help="repetitions per prompt and mode (default 3)")
     ap.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per answer (default 128)")
     ap.add_argument("--limit", type=non_negative_int, default=0, help="prompts per category (default 0: all)")
@@ -56,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="every prompt starts from a fresh drafter state — Token Recycling's tables and the acceptance "
                          "statistics, as in a new process (the verify-latency measurements carry over) — instead of "
                          "what the earlier prompts taught (a long-running assistant)")
+    ap.add_argument("--peer-model", metavar="DIR",
+                    help="an onnxruntime-genai model folder (its builder's output, ../shared/peers/README.md): time "
+                         "it on the same prompts and token ids, greedy only, in the same rotation")
+    ap.add_argument("--peer-python", metavar="PATH", default=sys.executable,
+                    help="the Python that has onnxruntime-genai installed (default: this one)")
     ap.add_argument("--out", default="bench-out/edge-bench.json", help="JSON output (default bench-out/edge-bench.json)")
     ap.add_argument("--quiet", action="store_true")
     return ap
@@ -120,6 +132,19 @@ def _run_one(engine, it: dict, mode: str, a, rep: int = 0) -> list[dict]:
     return recs
 
 
+def _run_peer(peer: Peer, engine, it: dict, mode: str, a) -> list[dict]:
+    """The item's first turn through the peer, on the ids edgespec's template gives it (the same as a chat's first
+    turn); one record shaped like _run_one's, without edgespec's step counters."""
+    ids = engine.encode([{"role": "user", "content": it["turns"][0]}])
+    r = peer.run(ids, a.max_tokens, mode)
+    n, dec = len(r["tokens"]), r["decode_s"]
+    return [{"id": it["id"], "category": it.get("category", "?"), "mode": mode, "turn": 0, "tokens": r["tokens"],
+             "n_gen": n, "prompt_tokens": len(ids), "reused_tokens": 0, "prefill_ms": 1000 * r["prefill_s"],
+             "decode_s": dec, "decode_tok_s": (n - 1) / dec if dec > 0 and n > 1 else 0.0,  # as edge's Stats
+             "steps": None, "drafted": None, "accepted": None, "mean_accepted": None, "target_s": None,
+             "draft_s": None, "overhead_ms_per_step": None}]
+
+
 def _add_learned(total: dict, before: dict, after: dict) -> None:
     """Add one run's share (after - before) of accepted/tested tokens per label to `total`."""
     for x, (h, n) in after.items():
@@ -129,61 +154,113 @@ def _add_learned(total: dict, before: dict, after: dict) -> None:
             total[x] = (th + h - h0, tn + n - n0)
 
 
-def summarize(runs: list[dict], modes: list[str], greedy: bool = True) -> dict:
-    """Per category and mode: medians over prompts of each prompt's median over repeats; `identical_to_none` counts
-    the prompts whose greedy output equals none's (None when sampling)."""
-    med = statistics.median
-    # per (prompt, turn, mode): median over reps
+def _med(values, digits: int):
+    """Rounded median of the values that exist (a peer's runs have no step counters), else None."""
+    v = [x for x in values if x is not None]
+    return round(statistics.median(v), digits) if v else None
+
+
+def _per_prompt(runs: list[dict]) -> dict[tuple, dict]:
+    """(prompt id, turn, category, mode) -> medians over its repeats, and the first repeat's tokens."""
     cell: dict[tuple, list] = {}
     for r in runs:
         cell.setdefault((r["id"], r["turn"], r["category"], r["mode"]), []).append(r)
-    per = {}
-    for (pid, turn, cat, mode), rs in cell.items():
-        per[(pid, turn, cat, mode)] = {
-            "decode_tok_s": med(r["decode_tok_s"] for r in rs),
-            "mean_accepted": med(r["mean_accepted"] for r in rs),
-            "overhead_ms_per_step": med(r["overhead_ms_per_step"] for r in rs),
-            "target_ms_per_step": med(1000 * r["target_s"] / max(1, r["steps"]) for r in rs),
-            "draft_ms_per_step": med(1000 * r["draft_s"] / max(1, r["steps"]) for r in rs),
-            "tokens": rs[0]["tokens"],
-        }
-    cats = sorted({k[2] for k in per})
+
+    def per_step(rs, key):
+        return [None if r[key] is None else 1000 * r[key] / max(1, r["steps"]) for r in rs]
+
+    return {k: {"decode_tok_s": _med((r["decode_tok_s"] for r in rs), 9),
+                "mean_accepted": _med((r["mean_accepted"] for r in rs), 9),
+                "overhead_ms_per_step": _med((r["overhead_ms_per_step"] for r in rs), 9),
+                "target_ms_per_step": _med(per_step(rs, "target_s"), 9),
+                "draft_ms_per_step": _med(per_step(rs, "draft_s"), 9),
+                "tokens": rs[0]["tokens"]} for k, rs in cell.items()}
+
+
+def _ratios(per: dict, c: str, keys: list, m: str, ref: str) -> list[float]:
+    """Per prompt of category c: mode m's decode tok/s over mode ref's, where both ran."""
+    return [per[(p, t, c, m)]["decode_tok_s"] / per[(p, t, c, ref)]["decode_tok_s"] for p, t in keys
+            if (p, t, c, m) in per and (p, t, c, ref) in per and per[(p, t, c, ref)]["decode_tok_s"] > 0]
+
+
+def summarize(runs: list[dict], modes: list[str], greedy: bool = True) -> dict:
+    """Per category and mode: medians over prompts of each prompt's median over repeats. `identical_to_none`
+    counts the prompts whose greedy output equals none's (None when sampling); a peer's speculative mode is
+    compared with the peer's own greedy output instead (`identical_to_own_greedy`)."""
+    per = _per_prompt(runs)
     out = {}
-    for c in cats:
+    for c in sorted({k[2] for k in per}):
         row = {}
         keys = sorted({(k[0], k[1]) for k in per if k[2] == c})
         for m in modes:
             vals = [per[(p, t, c, m)] for p, t in keys if (p, t, c, m) in per]
             if not vals:
                 continue
-            ref = [per.get((p, t, c, "none")) for p, t in keys]
-            same = [per[(p, t, c, m)]["tokens"] == per[(p, t, c, "none")]["tokens"]
-                    for p, t in keys if (p, t, c, m) in per and (p, t, c, "none") in per]
-            ratios = [per[(p, t, c, m)]["decode_tok_s"] / r["decode_tok_s"]
-                      for (p, t), r in zip(keys, ref) if r and (p, t, c, m) in per and r["decode_tok_s"] > 0]
+            ratios = _ratios(per, c, keys, m, "none")
             row[m] = {
-                "decode_tok_s": round(med(v["decode_tok_s"] for v in vals), 1),
-                "ratio_vs_none": round(med(ratios), 3) if ratios else None,
-                "mean_accepted": round(med(v["mean_accepted"] for v in vals), 3),
-                "target_ms_per_step": round(med(v["target_ms_per_step"] for v in vals), 2),
-                "draft_ms_per_step": round(med(v["draft_ms_per_step"] for v in vals), 2),
-                "overhead_ms_per_step": round(med(v["overhead_ms_per_step"] for v in vals), 3),
-                "identical_to_none": f"{sum(same)}/{len(same)}" if same and greedy else None,
+                "decode_tok_s": _med((v["decode_tok_s"] for v in vals), 1),
+                "ratio_vs_none": round(statistics.median(ratios), 3) if ratios else None,
+                "mean_accepted": _med((v["mean_accepted"] for v in vals), 3),
+                "target_ms_per_step": _med((v["target_ms_per_step"] for v in vals), 2),
+                "draft_ms_per_step": _med((v["draft_ms_per_step"] for v in vals), 2),
+                "overhead_ms_per_step": _med((v["overhead_ms_per_step"] for v in vals), 3),
             }
+            if m in PEER_MODES:  # its greedy text differs from ours by its quantization, not by speculation
+                ref, key = PEER_REFERENCE.get(m), "identical_to_own_greedy"
+            else:
+                ref, key = "none", "identical_to_none"
+            same = [per[(p, t, c, m)]["tokens"] == per[(p, t, c, ref)]["tokens"]
+                    for p, t in keys if (p, t, c, m) in per and (p, t, c, ref) in per]
+            row[m][key] = f"{sum(same)}/{len(same)}" if same and greedy else None
         out[c] = row
     return out
 
 
-def markdown(summary: dict, modes: list[str]) -> str:
-    head = "| category | " + " | ".join(f"{m} tok/s (×none, acc/step, same as none)" for m in modes) + " |"
+def versus_peer(runs: list[dict], modes: list[str]) -> dict:
+    """Per category: the peer's fastest mode there (median decode tok/s) and, for every edgespec mode, the median
+    over prompts of its decode tok/s over that peer mode's (first turns: the peer runs no others)."""
+    per = _per_prompt(runs)
+    ours, theirs = [m for m in modes if m not in PEER_MODES], [m for m in modes if m in PEER_MODES]
+    out = {}
+    for c in sorted({k[2] for k in per}):
+        keys = sorted({(k[0], k[1]) for k in per if k[2] == c})
+        speed = {m: _med((per[(p, t, c, m)]["decode_tok_s"] for p, t in keys if (p, t, c, m) in per), 3)
+                 for m in theirs}
+        speed = {m: v for m, v in speed.items() if v is not None}
+        if not speed:
+            continue
+        best = max(speed, key=speed.get)
+        row = {"peer_best": best}
+        for m in ours:
+            r = _ratios(per, c, keys, m, best)
+            row[m] = round(statistics.median(r), 3) if r else None
+        out[c] = row
+    return out
+
+
+def markdown(summary: dict, modes: list[str], peer: dict | None = None) -> str:
+    def same(m):
+        return f"same as {PEER_REFERENCE[m]}" if m in PEER_REFERENCE else "—" if m in PEER_MODES else "same as none"
+
+    head = "| category | " + " | ".join(f"{m} tok/s (×none, acc/step, {same(m)})" for m in modes) + " |"
     lines = [head, "|" + "---|" * (len(modes) + 1)]
     for c, row in summary.items():
         cells = []
         for m in modes:
             v = row.get(m)
-            cells.append("—" if not v else f"{v['decode_tok_s']} (×{v['ratio_vs_none']}, {v['mean_accepted']}, "
-                                           f"{v['identical_to_none'] or 'sampled'})")
+            if not v:
+                cells.append("—")
+                continue
+            kept = v.get("identical_to_none", v.get("identical_to_own_greedy"))
+            cells.append(f"{v['decode_tok_s']} (×{v['ratio_vs_none']}, {'—' if v['mean_accepted'] is None else v['mean_accepted']}, "
+                         f"{kept or ('—' if m in PEER_MODES and m not in PEER_REFERENCE else 'sampled')})")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    if peer:
+        ours = [m for m in modes if m not in PEER_MODES]
+        lines += ["", "| category | peer's best mode | " + " | ".join(f"{m} × peer best" for m in ours) + " |",
+                  "|" + "---|" * (len(ours) + 2)]
+        for c, row in peer.items():
+            lines.append(f"| {c} | {row['peer_best']} | " + " | ".join(str(row.get(m) or "—") for m in ours) + " |")
     return "\n".join(lines)
 
 
@@ -197,13 +274,22 @@ def main(argv=None) -> int:
     from .engine import DRAFTERS, GenerationParams
 
     modes = list(dict.fromkeys(m.strip() for m in a.modes.split(",") if m.strip()))
-    bad = [m for m in modes if m not in DRAFTERS or m == "auto"]
+    bad = [m for m in modes if (m not in DRAFTERS or m == "auto") and not (m in PEER_MODES and a.peer_model)]
     if bad:
-        known = ", ".join(d for d in DRAFTERS if d != "auto")
-        print(f"edge-bench: error: --modes {','.join(bad)}: choose from {known}", file=sys.stderr)
+        known = ", ".join([d for d in DRAFTERS if d != "auto"] + (list(PEER_MODES) if a.peer_model else []))
+        hint = "; genai modes need --peer-model" if any(m in PEER_MODES for m in bad) else ""
+        print(f"edge-bench: error: --modes {','.join(bad)}: choose from {known}{hint}", file=sys.stderr)
         return 2
     if "none" not in modes:
         modes.insert(0, "none")  # the reference every other mode is compared with
+    if a.peer_model:
+        if a.temp > 0:
+            print("edge-bench: error: --peer-model times greedy decoding only; drop --temp", file=sys.stderr)
+            return 2
+        if not any(m in PEER_MODES for m in modes):
+            modes += list(PEER_MODES)
+        if "genai-ngram" in modes and "genai" not in modes:
+            modes.append("genai")  # the reference its n-gram answers are compared with
     try:  # the engine's own bounds, checked before loading it
         GenerationParams(max_tokens=a.max_tokens, draft_len=a.draft_len, temperature=a.temp, top_p=a.top_p,
                          top_k=a.top_k, seed=a.seed).check(0)
@@ -227,10 +313,28 @@ def main(argv=None) -> int:
     try:
         engine = edge.load(a.model, drafter="auto", threads=a.threads)
         for m in modes:  # a drafter this export cannot run is refused here, with the fix named
-            engine._resolve(m)
+            if m not in PEER_MODES:
+                engine._resolve(m)
     except (EngineError, ModelDirError) as e:
         print(f"edge-bench: error: {e}", file=sys.stderr)
         return 2
+    peer = None
+    if a.peer_model:
+        try:
+            peer = Peer(a.peer_python, a.peer_model, a.threads)
+        except PeerError as e:
+            print(f"edge-bench: error: --peer-model {a.peer_model}: {e}", file=sys.stderr)
+            return 2
+    try:
+        return _bench(a, engine, items, modes, peer, out, md_out)
+    finally:
+        if peer:
+            peer.close()
+
+
+def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, out: Path, md_out: Path) -> int:
+    from .cli import peak_rss_mb
+
     bar = None
     if not a.quiet:
         try:
@@ -243,8 +347,11 @@ def main(argv=None) -> int:
     fresh = engine.drafter_state()
     _run_one(engine, items[0], "none", a)  # warm-up
     engine.set_drafter_state(fresh)
+    if peer:
+        _run_peer(peer, engine, items[0], "genai", a)
     learned: dict[str, tuple[float, float]] = {}  # label -> (accepted, tested) over every speculative run
     t0 = time.time()
+    peer_failed = False
     try:
         for i, it in enumerate(items):
             # every run of this prompt drafts from what the earlier prompts taught (a long-running assistant's
@@ -255,7 +362,8 @@ def main(argv=None) -> int:
                 for m in modes[k:] + modes[:k]:  # rotate: no mode always runs first
                     engine.set_drafter_state(before)
                     tested = engine.token_acceptance.tested()
-                    for rec in _run_one(engine, it, m, a, rep):
+                    recs = _run_peer(peer, engine, it, m, a) if m in PEER_MODES else _run_one(engine, it, m, a, rep)
+                    for rec in recs:
                         rec["rep"] = rep
                         runs.append(rec)
                     after = after or engine.drafter_state()
@@ -265,9 +373,13 @@ def main(argv=None) -> int:
             engine.set_drafter_state(after)
     except KeyboardInterrupt:
         print("edge-bench: interrupted; summarizing what ran", file=sys.stderr)
+    except PeerError as e:  # what ran is kept, and the exit code says the run is incomplete
+        print(f"edge-bench: error: the peer failed ({e}); summarizing what ran", file=sys.stderr)
+        peer_failed = True
     if bar:
         bar.close()
     summary = summarize(runs, modes, greedy=a.temp == 0)
+    vs_peer = versus_peer(runs, modes) if peer else None
     m = engine.manifest
     sampled = engine.head_hits + engine.head_misses
     doc = {"summary": summary, "modes": modes, "reps": a.reps, "max_tokens": a.max_tokens,
@@ -278,10 +390,13 @@ def main(argv=None) -> int:
                "temperature": a.temp, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed,
                # rows whose p the on-graph head gave (kernels/postprocess.py); the rest came from the logits
                "rows_from_head": round(engine.head_hits / sampled, 4) if sampled else None},
+           "peer": None if not peer else {"runtime": "onnxruntime-genai", "version": peer.version,
+                                           "model": str(a.peer_model), "ngram": "size 3, up to 10 draft tokens"},
+           "versus_peer": vs_peer,
            "token_acceptance": {x: {"lifetime": round(h / n, 4), "n": int(n)} for x, (h, n) in
                                 sorted(learned.items())},
            "runs": runs}
-    md = markdown(summary, modes)
+    md = markdown(summary, modes, vs_peer)
     if a.temp > 0:
         md += f"\n\nSampled at temperature {a.temp}, top-p {a.top_p}, top-k {a.top_k or 'off'}, seed {a.seed} + repeat."
     try:
@@ -295,9 +410,9 @@ def main(argv=None) -> int:
             f.write(json.dumps(doc))
         print(f"edge-bench: error: cannot write {out} ({e}); the results are in {spare}", file=sys.stderr)
         return 1
-    print(json.dumps({"summary": summary, "peak_rss_mb": doc["peak_rss_mb"]}, indent=1))
+    print(json.dumps({"summary": summary, "versus_peer": vs_peer, "peak_rss_mb": doc["peak_rss_mb"]}, indent=1))
     print(md)
-    return 0
+    return 1 if peer_failed else 0
 
 
 def _outputs(path: str) -> tuple[Path, Path]:

@@ -2,13 +2,17 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 
-def _run(args, stdin=None, timeout=240):
+def _run(args, stdin=None, timeout=240, env=None):
     return subprocess.run([sys.executable, "-m", *args], input=stdin, capture_output=True, text=True,
-                          timeout=timeout, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+                          timeout=timeout, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+FAKE_GENAI = str(Path(__file__).with_name("fake_genai"))  # onnxruntime_genai's API, for the peer worker
 
 
 @pytest.fixture(scope="module")
@@ -307,3 +311,69 @@ def test_drafter_state_round_trip(model):
     e.recycling.adj[:] = 0  # the snapshot is a copy, not the live tables
     e.set_drafter_state(state)
     assert np.array_equal(e.recycling.adj, adj)
+
+
+def _peer_prompts(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "category": c, "turns": t}) for i, (c, t) in enumerate(
+        [("qa", ["the quick brown fox"]), ("code", ["def add(a, b):", "now subtract"])])) + "\n")
+    return prompts
+
+
+def test_bench_peer_joins_the_rotation_on_the_same_ids(model, tmp_path):
+    """--peer-model: the peer's greedy and n-gram modes run each first turn on the ids edgespec's template gives;
+    its n-gram answers are compared with its own greedy ones, and every edgespec mode with its best mode."""
+    out = tmp_path / "b.json"
+    r = _run(["edge.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "2", "--max-tokens", "9",
+              "--modes", "none,lookup", "--peer-model", str(tmp_path), "--out", str(out), "--quiet"],
+             env={"PYTHONPATH": FAKE_GENAI})
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["modes"] == ["none", "lookup", "genai", "genai-ngram"] and doc["peer"]["version"] == "0.0-fake"
+    runs = doc["runs"]
+    for pid in ("x0", "x1"):
+        ours = {r["prompt_tokens"] for r in runs if r["id"] == pid and r["mode"] == "none" and r["turn"] == 0}
+        theirs = [r for r in runs if r["id"] == pid and r["mode"].startswith("genai")]
+        assert len(theirs) == 4 and {r["prompt_tokens"] for r in theirs} == ours and all(r["n_gen"] == 9 for r in theirs)
+    assert not [r for r in runs if r["mode"].startswith("genai") and r["turn"] > 0]  # the peer runs first turns
+    s = doc["summary"]
+    assert set(s["code+turn2"]) == {"none", "lookup"}
+    for c in ("qa", "code"):
+        assert s[c]["genai-ngram"]["identical_to_own_greedy"] == "0/1"  # the fake's n-gram changes a token
+        assert s[c]["genai"]["identical_to_own_greedy"] is None and "identical_to_none" not in s[c]["genai"]
+        assert s[c]["lookup"]["identical_to_none"] == "1/1"
+        vs = doc["versus_peer"][c]
+        assert vs["peer_best"] in ("genai", "genai-ngram") and set(vs) == {"peer_best", "none", "lookup"}
+        best = [r["decode_tok_s"] for r in runs if r["category"] == c and r["mode"] == vs["peer_best"]]
+        none = [r["decode_tok_s"] for r in runs if r["category"] == c and r["mode"] == "none"]
+        assert len(none) == len(best) == 2  # one prompt per category: the median of 2 repeats is their mean
+        assert vs["none"] == pytest.approx(sum(none) / sum(best), abs=1e-3)
+    md = out.with_suffix(".md").read_text()
+    assert "same as genai" in md and "| category | peer's best mode | none × peer best | lookup × peer best |" in md
+
+
+@pytest.mark.parametrize("flags,env,needle", [
+    (["--peer-model", "{tmp}"], {}, "cannot import onnxruntime_genai"),  # this venv has no onnxruntime-genai
+    (["--peer-model", "{tmp}/missing"], {"PYTHONPATH": FAKE_GENAI}, "cannot load"),
+    (["--peer-model", "{tmp}", "--peer-python", "/nonexistent/python"], {}, "cannot start /nonexistent/python"),
+    (["--modes", "none,genai"], {}, "genai modes need --peer-model"),
+    (["--peer-model", "{tmp}", "--temp", "0.7"], {"PYTHONPATH": FAKE_GENAI}, "greedy decoding only"),
+])
+def test_bench_peer_problems_are_one_line(model, tmp_path, flags, env, needle):
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    r = _run(["edge.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "1", "--max-tokens", "4",
+              "--out", str(tmp_path / "b.json"), "--quiet", *flags], env=env)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_bench_peer_failing_midway_keeps_what_ran(model, tmp_path):
+    """A peer that dies after its warm-up and two answers: the runs so far are summarized and written, exit 1."""
+    out = tmp_path / "b.json"
+    r = _run(["edge.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "2", "--max-tokens", "6",
+              "--modes", "none", "--peer-model", str(tmp_path), "--out", str(out), "--quiet"],
+             env={"PYTHONPATH": FAKE_GENAI, "FAKE_GENAI_FAIL_AFTER": "3"})
+    assert r.returncode == 1 and "the peer failed (onnxruntime-genai failed: fake failure)" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    doc = json.loads(out.read_text())
+    assert sum(r["mode"].startswith("genai") for r in doc["runs"]) == 2 and doc["summary"]["code"]["none"]
