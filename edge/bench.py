@@ -154,6 +154,18 @@ def _add_learned(total: dict, before: dict, after: dict) -> None:
             total[x] = (th + h - h0, tn + n - n0)
 
 
+def loops(tokens: list[int], n: int = 8, times: int = 3) -> bool:
+    """Does some n-token sequence occur `times` or more in the answer? A looping answer is what weaker quantization
+    produces, and n-gram drafting copies it at several times the plain speed, so edge-bench counts them per mode."""
+    seen: dict[tuple, int] = {}
+    for i in range(len(tokens) - n + 1):
+        g = tuple(tokens[i:i + n])
+        seen[g] = seen.get(g, 0) + 1
+        if seen[g] >= times:
+            return True
+    return False
+
+
 def _med(values, digits: int):
     """Rounded median of the values that exist (a peer's runs have no step counters), else None."""
     v = [x for x in values if x is not None]
@@ -186,7 +198,8 @@ def _ratios(per: dict, c: str, keys: list, m: str, ref: str) -> list[float]:
 def summarize(runs: list[dict], modes: list[str], greedy: bool = True) -> dict:
     """Per category and mode: medians over prompts of each prompt's median over repeats. `identical_to_none`
     counts the prompts whose greedy output equals none's (None when sampling); a peer's speculative mode is
-    compared with the peer's own greedy output instead (`identical_to_own_greedy`)."""
+    compared with the peer's own greedy output instead (`identical_to_own_greedy`). `looping` counts the prompts
+    whose (first repeat's) answer repeats an 8-token sequence 3 times or more."""
     per = _per_prompt(runs)
     out = {}
     for c in sorted({k[2] for k in per}):
@@ -204,6 +217,7 @@ def summarize(runs: list[dict], modes: list[str], greedy: bool = True) -> dict:
                 "target_ms_per_step": _med((v["target_ms_per_step"] for v in vals), 2),
                 "draft_ms_per_step": _med((v["draft_ms_per_step"] for v in vals), 2),
                 "overhead_ms_per_step": _med((v["overhead_ms_per_step"] for v in vals), 3),
+                "looping": f"{sum(loops(v['tokens']) for v in vals)}/{len(vals)}",
             }
             if m in PEER_MODES:  # its greedy text differs from ours by its quantization, not by speculation
                 ref, key = PEER_REFERENCE.get(m), "identical_to_own_greedy"
@@ -242,7 +256,7 @@ def markdown(summary: dict, modes: list[str], peer: dict | None = None) -> str:
     def same(m):
         return f"same as {PEER_REFERENCE[m]}" if m in PEER_REFERENCE else "—" if m in PEER_MODES else "same as none"
 
-    head = "| category | " + " | ".join(f"{m} tok/s (×none, acc/step, {same(m)})" for m in modes) + " |"
+    head = "| category | " + " | ".join(f"{m} tok/s (×none, acc/step, {same(m)}, looping)" for m in modes) + " |"
     lines = [head, "|" + "---|" * (len(modes) + 1)]
     for c, row in summary.items():
         cells = []
@@ -253,7 +267,8 @@ def markdown(summary: dict, modes: list[str], peer: dict | None = None) -> str:
                 continue
             kept = v.get("identical_to_none", v.get("identical_to_own_greedy"))
             cells.append(f"{v['decode_tok_s']} (×{v['ratio_vs_none']}, {'—' if v['mean_accepted'] is None else v['mean_accepted']}, "
-                         f"{kept or ('—' if m in PEER_MODES and m not in PEER_REFERENCE else 'sampled')})")
+                         f"{kept or ('—' if m in PEER_MODES and m not in PEER_REFERENCE else 'sampled')}, "
+                         f"{v['looping']})")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     if peer:
         ours = [m for m in modes if m not in PEER_MODES]

@@ -12,6 +12,8 @@ def _run(args, stdin=None, timeout=240, env=None):
                           timeout=timeout, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
+from edge.bench import loops  # noqa: E402
+
 FAKE_GENAI = str(Path(__file__).with_name("fake_genai"))  # onnxruntime_genai's API, for the peer worker
 
 
@@ -342,6 +344,8 @@ def test_bench_peer_joins_the_rotation_on_the_same_ids(model, tmp_path):
         assert s[c]["genai-ngram"]["identical_to_own_greedy"] == "0/1"  # the fake's n-gram changes a token
         assert s[c]["genai"]["identical_to_own_greedy"] is None and "identical_to_none" not in s[c]["genai"]
         assert s[c]["lookup"]["identical_to_none"] == "1/1"
+        first = next(r["tokens"] for r in runs if r["category"] == c and r["mode"] == "genai")
+        assert s[c]["genai"]["looping"] == f"{int(loops(first))}/1"
         vs = doc["versus_peer"][c]
         assert vs["peer_best"] in ("genai", "genai-ngram") and set(vs) == {"peer_best", "none", "lookup"}
         best = [r["decode_tok_s"] for r in runs if r["category"] == c and r["mode"] == vs["peer_best"]]
@@ -377,3 +381,12 @@ def test_bench_peer_failing_midway_keeps_what_ran(model, tmp_path):
     assert "Traceback" not in r.stderr
     doc = json.loads(out.read_text())
     assert sum(r["mode"].startswith("genai") for r in doc["runs"]) == 2 and doc["summary"]["code"]["none"]
+
+
+@pytest.mark.parametrize("tokens,looping", [
+    ([], False), (list(range(7)) * 5, True), (list(range(8)) * 3, True), (list(range(8)) * 2 + list(range(7)), False),
+    ([5, 6] * 12, True), (list(range(100)), False), (list(range(9)) * 2, False),
+])
+def test_bench_counts_looping_answers(tokens, looping):
+    """An answer loops when some 8-token sequence occurs 3 times (overlaps count: a 2-token cycle loops)."""
+    assert loops(tokens) is looping
