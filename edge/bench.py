@@ -137,7 +137,7 @@ def _run_peer(peer: Peer, engine, it: dict, mode: str, a) -> list[dict]:
     turn); one record shaped like _run_one's, without edgespec's step counters."""
     ids = engine.encode([{"role": "user", "content": it["turns"][0]}])
     r = peer.run(ids, a.max_tokens, mode)
-    n, dec = len(r["tokens"]), r["decode_s"]
+    n, dec = r.get("n_gen", len(r["tokens"])), r["decode_s"]  # n_gen: its end token counted, as ours is
     return [{"id": it["id"], "category": it.get("category", "?"), "mode": mode, "turn": 0, "tokens": r["tokens"],
              "n_gen": n, "prompt_tokens": len(ids), "reused_tokens": 0, "prefill_ms": 1000 * r["prefill_s"],
              "decode_s": dec, "decode_tok_s": (n - 1) / dec if dec > 0 and n > 1 else 0.0,  # as edge's Stats
@@ -275,7 +275,8 @@ def markdown(summary: dict, modes: list[str], peer: dict | None = None) -> str:
         lines += ["", "| category | peer's best mode | " + " | ".join(f"{m} × peer best" for m in ours) + " |",
                   "|" + "---|" * (len(ours) + 2)]
         for c, row in peer.items():
-            lines.append(f"| {c} | {row['peer_best']} | " + " | ".join(str(row.get(m) or "—") for m in ours) + " |")
+            lines.append(f"| {c} | {row['peer_best']} | " + " | ".join("—" if row.get(m) is None else str(row[m])
+                                                                        for m in ours) + " |")
     return "\n".join(lines)
 
 
@@ -297,6 +298,10 @@ def main(argv=None) -> int:
         return 2
     if "none" not in modes:
         modes.insert(0, "none")  # the reference every other mode is compared with
+    if a.peer_python != sys.executable and not a.peer_model:
+        print("edge-bench: error: --peer-python needs --peer-model (the onnxruntime-genai model folder)",
+              file=sys.stderr)
+        return 2
     if a.peer_model:
         if a.temp > 0:
             print("edge-bench: error: --peer-model times greedy decoding only; drop --temp", file=sys.stderr)
@@ -337,8 +342,12 @@ def main(argv=None) -> int:
     if a.peer_model:
         try:
             peer = Peer(a.peer_python, a.peer_model, a.threads)
-        except PeerError as e:
-            print(f"edge-bench: error: --peer-model {a.peer_model}: {e}", file=sys.stderr)
+            _run_peer(peer, engine, items[0], "genai", a)  # warm-up: a peer that loads but cannot answer fails here
+        except (PeerError, KeyboardInterrupt) as e:
+            if peer:
+                peer.close()
+            why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"error: --peer-model {a.peer_model}: {e}"
+            print(f"edge-bench: {why}", file=sys.stderr)
             return 2
     try:
         return _bench(a, engine, items, modes, peer, out, md_out)
@@ -362,8 +371,6 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
     fresh = engine.drafter_state()
     _run_one(engine, items[0], "none", a)  # warm-up
     engine.set_drafter_state(fresh)
-    if peer:
-        _run_peer(peer, engine, items[0], "genai", a)
     learned: dict[str, tuple[float, float]] = {}  # label -> (accepted, tested) over every speculative run
     t0 = time.time()
     peer_failed = False
@@ -381,7 +388,8 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
                     for rec in recs:
                         rec["rep"] = rep
                         runs.append(rec)
-                    after = after or engine.drafter_state()
+                    if m not in PEER_MODES:  # what this prompt taught edgespec's drafters (the peer teaches nothing)
+                        after = after or engine.drafter_state()
                     _add_learned(learned, tested, engine.token_acceptance.tested())
                     if bar:
                         bar.update(1)

@@ -28,7 +28,10 @@ class Peer:
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
         except OSError as e:
             raise PeerError(f"cannot start {python}: {e}") from None
-        self.version = self._read()["ready"]
+        ready = self._read().get("ready")
+        if ready is None:
+            raise PeerError("the peer worker did not say it was ready")
+        self.version = ready
 
     def _read(self) -> dict:
         line = self._p.stdout.readline()
@@ -37,13 +40,18 @@ class Peer:
             self._err.seek(0)
             tail = self._err.read()[-800:].strip()
             raise PeerError(f"the peer worker exited with code {self._p.returncode}" + (f": {tail}" if tail else ""))
-        msg = json.loads(line)
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            msg = None
+        if not isinstance(msg, dict):
+            raise PeerError(f"the peer worker printed {line.strip()[:200]!r}, not edge/peer_genai.py's protocol")
         if "error" in msg:
             raise PeerError(msg["error"])
         return msg
 
     def run(self, ids: list[int], max_new: int, mode: str) -> dict:
-        """{"tokens", "prefill_s", "decode_s"} for one greedy answer of up to `max_new` tokens to `ids`."""
+        """{"tokens", "n_gen", "prefill_s", "decode_s"} for one greedy answer of up to `max_new` tokens to `ids`."""
         try:
             self._p.stdin.write(json.dumps({"ids": ids, "max_new": max_new, "mode": PEER_MODES[mode]}) + "\n")
             self._p.stdin.flush()
@@ -57,4 +65,6 @@ class Peer:
             self._p.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             self._p.kill()
+            self._p.wait()
+        self._p.stdout.close()
         self._err.close()

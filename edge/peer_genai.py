@@ -6,10 +6,13 @@ edgespec's exporter cannot share an environment with. So this file imports only 
 onnxruntime_genai, and edge-bench starts it as a script: `PYTHON peer_genai.py MODEL_DIR --threads 2`.
 
 Protocol, one JSON object per line: first out {"ready": version}; then for each line in
-{"ids": [...], "max_new": N, "mode": "greedy" | "ngram"} one line out {"tokens", "prefill_s", "decode_s"} or
-{"error": text}. Token ids are fed directly: onnxruntime-genai 0.18's own tokenizer mis-tokenizes SmolLM2
-(../shared/peers/README.md).
+{"ids": [...], "max_new": N, "mode": "greedy" | "ngram"} one line out {"tokens", "n_gen", "prefill_s", "decode_s"}
+or {"error": text}. Token ids are fed directly: onnxruntime-genai 0.18's own tokenizer mis-tokenizes SmolLM2
+(../shared/peers/README.md). `n_gen` counts the tokens decoding produced, the end-of-sequence token included:
+onnxruntime-genai 0.18 leaves it out of the sequence, edgespec counts it, and decode time includes its step.
 """
+from __future__ import annotations  # the peer's Python may be older than ours
+
 import argparse
 import json
 import os
@@ -20,7 +23,17 @@ import time
 NGRAM = {"ngram_size": 3, "max_draft_tokens": 10}
 
 
-def generate(og, model, ids: list[int], max_new: int, spec: dict | None) -> dict:
+def eos_ids(model_dir: str) -> set[int]:
+    """The end-of-sequence ids the model folder's genai_config.json names (its builder writes an int or a list)."""
+    try:
+        with open(os.path.join(model_dir, "genai_config.json")) as f:
+            e = json.load(f)["model"]["eos_token_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    return {int(x) for x in (e if isinstance(e, list) else [e])}
+
+
+def generate(og, model, ids: list[int], max_new: int, spec: dict | None, eos: set[int]) -> dict:
     """Greedy answer to `ids`; prefill is the prompt's forward, decode the rest (the same split as edge's Stats)."""
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(ids) + max_new, do_sample=False)
@@ -33,7 +46,9 @@ def generate(og, model, ids: list[int], max_new: int, spec: dict | None) -> dict
     while not gen.is_done():
         gen.generate_next_token()
     t2 = time.perf_counter()
-    return {"tokens": [int(t) for t in gen.get_sequence(0)[len(ids):]], "prefill_s": t1 - t0, "decode_s": t2 - t1}
+    tokens = [int(t) for t in gen.get_sequence(0)[len(ids):]]
+    ended = len(tokens) < max_new and not (tokens and tokens[-1] in eos)  # by an end token left out of the sequence
+    return {"tokens": tokens, "n_gen": len(tokens) + ended, "prefill_s": t1 - t0, "decode_s": t2 - t1}
 
 
 def main() -> int:
@@ -62,12 +77,13 @@ def main() -> int:
     except Exception as e:  # noqa: BLE001 - its errors are untyped; edge-bench prints this line
         say({"error": f"onnxruntime-genai cannot load {a.model_dir}: {e}"})
         return 1
+    eos = eos_ids(a.model_dir)
     say({"ready": getattr(og, "__version__", "?")})
     try:
         for line in sys.stdin:
             req = json.loads(line)
             try:
-                say(generate(og, model, req["ids"], req["max_new"], NGRAM if req["mode"] == "ngram" else None))
+                say(generate(og, model, req["ids"], req["max_new"], NGRAM if req["mode"] == "ngram" else None, eos))
             except Exception as e:  # noqa: BLE001 - reported per request; edge-bench stops with it
                 say({"error": f"onnxruntime-genai failed: {e}"})
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; edge-bench summarizes what ran

@@ -12,9 +12,13 @@ def _run(args, stdin=None, timeout=240, env=None):
                           timeout=timeout, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
-from edge.bench import loops  # noqa: E402
+from edge.bench import loops, versus_peer  # noqa: E402
 
 FAKE_GENAI = str(Path(__file__).with_name("fake_genai"))  # onnxruntime_genai's API, for the peer worker
+sys.path.insert(0, FAKE_GENAI)
+from onnxruntime_genai import answer as fake_answer  # noqa: E402
+
+sys.path.remove(FAKE_GENAI)
 
 
 @pytest.fixture(scope="module")
@@ -333,10 +337,17 @@ def test_bench_peer_joins_the_rotation_on_the_same_ids(model, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["modes"] == ["none", "lookup", "genai", "genai-ngram"] and doc["peer"]["version"] == "0.0-fake"
     runs = doc["runs"]
-    for pid in ("x0", "x1"):
-        ours = {r["prompt_tokens"] for r in runs if r["id"] == pid and r["mode"] == "none" and r["turn"] == 0}
-        theirs = [r for r in runs if r["id"] == pid and r["mode"].startswith("genai")]
-        assert len(theirs) == 4 and {r["prompt_tokens"] for r in theirs} == ours and all(r["n_gen"] == 9 for r in theirs)
+    import edge
+
+    engine = edge.load(model, drafter="none")
+    for pid, first in (("x0", "the quick brown fox"), ("x1", "def add(a, b):")):
+        ids = engine.encode([{"role": "user", "content": first}])  # what a chat's first turn sends
+        assert {r["prompt_tokens"] for r in runs if r["id"] == pid and r["mode"] == "none" and r["turn"] == 0} \
+            == {len(ids)}
+        for mode, ngram in (("genai", False), ("genai-ngram", True)):
+            theirs = [r for r in runs if r["id"] == pid and r["mode"] == mode]
+            assert len(theirs) == 2 and all(r["tokens"] == fake_answer(ids, 9, ngram) and r["n_gen"] == 9
+                                            for r in theirs)
     assert not [r for r in runs if r["mode"].startswith("genai") and r["turn"] > 0]  # the peer runs first turns
     s = doc["summary"]
     assert set(s["code+turn2"]) == {"none", "lookup"}
@@ -357,14 +368,20 @@ def test_bench_peer_joins_the_rotation_on_the_same_ids(model, tmp_path):
 
 
 @pytest.mark.parametrize("flags,env,needle", [
-    (["--peer-model", "{tmp}"], {}, "cannot import onnxruntime_genai"),  # this venv has no onnxruntime-genai
+    (["--peer-model", "{tmp}"], {"PYTHONPATH": "{tmp}/broken"}, "cannot import onnxruntime_genai"),
+    (["--peer-model", "{tmp}"], {"PYTHONPATH": FAKE_GENAI, "FAKE_GENAI_FAIL_AFTER": "0"}, "fake failure"),  # warm-up
+    (["--peer-python", "/usr/bin/python3"], {}, "--peer-python needs --peer-model"),
+    (["--peer-model", "{tmp}", "--peer-python", "/bin/echo"], {}, "not edge/peer_genai.py's protocol"),
     (["--peer-model", "{tmp}/missing"], {"PYTHONPATH": FAKE_GENAI}, "cannot load"),
     (["--peer-model", "{tmp}", "--peer-python", "/nonexistent/python"], {}, "cannot start /nonexistent/python"),
     (["--modes", "none,genai"], {}, "genai modes need --peer-model"),
     (["--peer-model", "{tmp}", "--temp", "0.7"], {"PYTHONPATH": FAKE_GENAI}, "greedy decoding only"),
 ])
 def test_bench_peer_problems_are_one_line(model, tmp_path, flags, env, needle):
+    (tmp_path / "broken" / "onnxruntime_genai").mkdir(parents=True)  # a Python whose onnxruntime_genai is broken
+    (tmp_path / "broken" / "onnxruntime_genai" / "__init__.py").write_text("raise ImportError('no native library')")
     flags = [f.format(tmp=tmp_path) for f in flags]
+    env = {k: v.format(tmp=tmp_path) for k, v in env.items()}
     r = _run(["edge.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "1", "--max-tokens", "4",
               "--out", str(tmp_path / "b.json"), "--quiet", *flags], env=env)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -390,3 +407,49 @@ def test_bench_peer_failing_midway_keeps_what_ran(model, tmp_path):
 def test_bench_counts_looping_answers(tokens, looping):
     """An answer loops when some 8-token sequence occurs 3 times (overlaps count: a 2-token cycle loops)."""
     assert loops(tokens) is looping
+
+
+def test_bench_peer_answers_that_end_count_their_end_token(model, tmp_path):
+    """onnxruntime-genai 0.18 leaves the end token out of its sequence; edgespec counts its own, so the peer's
+    n_gen (and tok/s) must count it too: an answer of 4 tokens that ended is 5 generated."""
+    out = tmp_path / "b.json"
+    r = _run(["edge.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "1", "--max-tokens", "9",
+              "--modes", "none,genai", "--peer-model", str(tmp_path), "--out", str(out), "--quiet"],
+             env={"PYTHONPATH": FAKE_GENAI, "FAKE_GENAI_EOS_AFTER": "4"})
+    assert r.returncode == 0, r.stderr
+    theirs = [r for r in json.loads(out.read_text())["runs"] if r["mode"] == "genai"]
+    assert theirs and all(len(r["tokens"]) == 4 and r["n_gen"] == 5 and
+                          r["decode_tok_s"] == pytest.approx(4 / r["decode_s"]) for r in theirs)
+
+
+def test_versus_peer_divides_by_the_peers_fastest_mode_per_category():
+    def run(pid, cat, mode, tok_s):
+        return {"id": pid, "turn": 0, "category": cat, "mode": mode, "decode_tok_s": tok_s, "mean_accepted": None,
+                "overhead_ms_per_step": None, "target_s": None, "draft_s": None, "steps": None, "tokens": [1]}
+
+    runs = [run("a", "qa", "none", 100), run("a", "qa", "hybrid", 150), run("a", "qa", "genai", 200),
+            run("a", "qa", "genai-ngram", 120), run("b", "qa", "none", 50), run("b", "qa", "hybrid", 60),
+            run("b", "qa", "genai", 100), run("b", "qa", "genai-ngram", 80),
+            run("c", "rag", "none", 60), run("c", "rag", "genai", 80), run("c", "rag", "genai-ngram", 240)]
+    vs = versus_peer(runs, ["none", "hybrid", "genai", "genai-ngram"])
+    assert vs["qa"] == {"peer_best": "genai", "none": 0.5, "hybrid": pytest.approx(0.675)}  # median(0.75, 0.6)
+    assert vs["rag"] == {"peer_best": "genai-ngram", "none": 0.25, "hybrid": None}  # hybrid did not run there
+
+
+def test_bench_peer_changes_nothing_about_our_own_runs(model, tmp_path):
+    """The peer joins the rotation but teaches edgespec's drafters nothing, and it must not stop a prompt from
+    teaching them: with 5 modes, prompts whose rotation starts with a peer mode used to pass on the state from
+    before the prompt. Every edgespec run drafts and accepts exactly as in the same bench without the peer."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": "qa", "turns": [t]}) + "\n" for i, t in enumerate(
+        ["the quick brown fox jumps over the lazy dog", "the quick brown fox jumps", "a lazy dog sleeps over the "
+         "quick brown fox", "the lazy dog and the quick brown fox", "quick brown fox, lazy dog"])))
+    counts = []
+    for peer in ([], ["--peer-model", str(tmp_path)]):
+        out = tmp_path / f"b{len(peer)}.json"
+        r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "2", "--max-tokens", "24", "--modes",
+                  "none,recycling,hybrid", *peer, "--out", str(out), "--quiet"], env={"PYTHONPATH": FAKE_GENAI})
+        assert r.returncode == 0, r.stderr
+        counts.append({(r["id"], r["mode"], r["rep"]): (r["drafted"], r["accepted"], r["steps"])
+                       for r in json.loads(out.read_text())["runs"] if not r["mode"].startswith("genai")})
+    assert len(counts[0]) == 30 and counts[0] == counts[1]

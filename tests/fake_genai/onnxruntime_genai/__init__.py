@@ -1,11 +1,22 @@
-"""A stand-in for onnxruntime-genai's Python API (the part edge/peer_genai.py uses), for edge-bench's peer tests:
-greedy "decoding" is a fixed function of the last token; its n-gram mode changes the third token, as the real one
-changes answers when activations are quantized. FAKE_GENAI_FAIL_AFTER=n makes the n+1-th generator raise."""
+"""A stand-in for onnxruntime-genai's Python API (the part edge/peer_genai.py uses), for edge-bench's peer tests.
+`answer` is its whole behaviour: greedy "decoding" starts from the sum of the prompt's ids and follows a fixed
+map; the n-gram mode changes the third token (as the real one changes answers when activations are quantized).
+FAKE_GENAI_FAIL_AFTER=n makes the n+1-th generator raise; FAKE_GENAI_EOS_AFTER=k ends answers after k tokens with
+an end token left out of the sequence, as onnxruntime-genai 0.18 does."""
 import json
 import os
 
 __version__ = "0.0-fake"
 _made = [0]
+
+
+def answer(ids, max_new, ngram=False):
+    out, last = [], sum(ids)
+    stop = min(max_new, int(os.environ.get("FAKE_GENAI_EOS_AFTER", max_new)))
+    while len(out) < stop:
+        last = (last * 7 + 3) % 50 + 10 + (1 if ngram and len(out) == 2 else 0)
+        out.append(last)
+    return out
 
 
 class Config:
@@ -39,19 +50,17 @@ class Generator:
         _made[0] += 1
         if _made[0] > int(os.environ.get("FAKE_GENAI_FAIL_AFTER", "1000000")):
             raise RuntimeError("fake failure")
-        self.p, self.seq, self.n_prompt = params, [], 0
+        self.p, self.seq, self.out = params, [], []
 
     def append_tokens(self, ids):
-        self.seq, self.n_prompt = list(ids), len(ids)
+        self.seq = list(ids)
+        self.out = answer(ids, self.p.max_length - len(ids), ngram=self.p.spec is not None)
 
     def is_done(self):
-        return len(self.seq) >= self.p.max_length
+        return not self.out
 
     def generate_next_token(self):
-        nxt = (self.seq[-1] * 7 + 3) % 50 + 10
-        if self.p.spec and len(self.seq) - self.n_prompt == 2:
-            nxt += 1
-        self.seq.append(nxt)
+        self.seq.append(self.out.pop(0))
 
     def get_sequence(self, i):
         return self.seq
