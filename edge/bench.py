@@ -266,9 +266,9 @@ def markdown(summary: dict, modes: list[str], peer: dict | None = None) -> str:
                 cells.append("—")
                 continue
             kept = v.get("identical_to_none", v.get("identical_to_own_greedy"))
-            cells.append(f"{v['decode_tok_s']} (×{v['ratio_vs_none']}, {'—' if v['mean_accepted'] is None else v['mean_accepted']}, "
-                         f"{kept or ('—' if m in PEER_MODES and m not in PEER_REFERENCE else 'sampled')}, "
-                         f"{v['looping']})")
+            kept = kept or ("—" if m in PEER_MODES and m not in PEER_REFERENCE else "sampled")
+            acc = "—" if v["mean_accepted"] is None else v["mean_accepted"]
+            cells.append(f"{v['decode_tok_s']} (×{v['ratio_vs_none']}, {acc}, {kept}, {v['looping']})")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     if peer:
         ours = [m for m in modes if m not in PEER_MODES]
@@ -284,8 +284,6 @@ def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     import edge
     from edge import EngineError, ModelDirError
-
-    from .cli import peak_rss_mb
 
     from .engine import DRAFTERS, GenerationParams
 
