@@ -28,9 +28,13 @@ class Peer:
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True)
         except OSError as e:
             raise PeerError(f"cannot start {python}: {e}") from None
-        ready = self._read().get("ready")
-        if ready is None:
-            raise PeerError("the peer worker did not say it was ready")
+        try:
+            ready = self._read().get("ready")
+            if ready is None:
+                raise PeerError("the peer worker did not say it was ready")
+        except PeerError:
+            self.close()  # no worker or temporary file left behind
+            raise
         self.version = ready
 
     def _read(self) -> dict:
