@@ -1,4 +1,5 @@
 """edge-chat and edge-bench as a user runs them (subprocesses on the tiny exported model)."""
+import importlib.util
 import json
 import subprocess
 import sys
@@ -6,19 +7,18 @@ from pathlib import Path
 
 import pytest
 
+from edge.bench import loops, versus_peer
+
+# a stand-in for onnxruntime_genai's API: the peer worker imports it through PYTHONPATH, the tests read its answers
+FAKE_GENAI = str(Path(__file__).with_name("fake_genai"))
+_spec = importlib.util.spec_from_file_location("fake_genai", Path(FAKE_GENAI) / "onnxruntime_genai" / "__init__.py")
+fake_genai = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake_genai)
+
 
 def _run(args, stdin=None, timeout=240, env=None):
     return subprocess.run([sys.executable, "-m", *args], input=stdin, capture_output=True, text=True,
                           timeout=timeout, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", **(env or {})})
-
-
-from edge.bench import loops, versus_peer  # noqa: E402
-
-FAKE_GENAI = str(Path(__file__).with_name("fake_genai"))  # onnxruntime_genai's API, for the peer worker
-sys.path.insert(0, FAKE_GENAI)
-from onnxruntime_genai import answer as fake_answer  # noqa: E402
-
-sys.path.remove(FAKE_GENAI)
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +346,7 @@ def test_bench_peer_joins_the_rotation_on_the_same_ids(model, tmp_path):
             == {len(ids)}
         for mode, ngram in (("genai", False), ("genai-ngram", True)):
             theirs = [r for r in runs if r["id"] == pid and r["mode"] == mode]
-            assert len(theirs) == 2 and all(r["tokens"] == fake_answer(ids, 9, ngram) and r["n_gen"] == 9
+            assert len(theirs) == 2 and all(r["tokens"] == fake_genai.answer(ids, 9, ngram) and r["n_gen"] == 9
                                             for r in theirs)
     assert not [r for r in runs if r["mode"].startswith("genai") and r["turn"] > 0]  # the peer runs first turns
     s = doc["summary"]
