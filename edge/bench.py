@@ -66,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-model", metavar="DIR",
                     help="an onnxruntime-genai model folder (its builder's output, ../shared/peers/README.md): time "
                          "it on the same prompts and token ids, greedy only, in the same rotation")
-    ap.add_argument("--peer-python", metavar="PATH", default=sys.executable,
+    ap.add_argument("--peer-python", metavar="PATH",
                     help="the Python that has onnxruntime-genai installed (default: this one)")
     ap.add_argument("--out", default="bench-out/edge-bench.json", help="JSON output (default bench-out/edge-bench.json)")
     ap.add_argument("--quiet", action="store_true")
@@ -296,7 +296,7 @@ def main(argv=None) -> int:
         return 2
     if "none" not in modes:
         modes.insert(0, "none")  # the reference every other mode is compared with
-    if a.peer_python != sys.executable and not a.peer_model:
+    if a.peer_python and not a.peer_model:
         print("edge-bench: error: --peer-python needs --peer-model (the onnxruntime-genai model folder)",
               file=sys.stderr)
         return 2
@@ -339,7 +339,7 @@ def main(argv=None) -> int:
     peer = None
     if a.peer_model:
         try:
-            peer = Peer(a.peer_python, a.peer_model, a.threads)
+            peer = Peer(a.peer_python or sys.executable, a.peer_model, a.threads)
             _run_peer(peer, engine, items[0], "genai", a)  # warm-up: a peer that loads but cannot answer fails here
         except (PeerError, KeyboardInterrupt) as e:
             if peer:
