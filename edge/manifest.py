@@ -19,8 +19,8 @@ FORMAT_VERSION = 2  # the newest format this edgespec reads (and writes when an 
 OLDEST_FORMAT = 1  # format 2 adds GraphEntry.arch (a drafter from its own checkpoint); format 1 exports still load
 # the graphs export.graph writes: bumped whenever they change, so a cached export from an older builder is rebuilt
 # (2: the pad query row; 3: block-quantized embedding rows; 4: the default export became w8a8; 5: the on-graph head
-# takes k and the temperature per call and returns probabilities)
-GRAPH_VERSION = 5
+# takes k and the temperature per call and returns probabilities; 6: int4 blocks keep their float minimum)
+GRAPH_VERSION = 6
 FAST_HASH_BYTES = 16 << 20  # verify="fast" hashes files up to this size
 MANIFEST_NAME = "edge_model.json"
 
@@ -56,6 +56,7 @@ class GraphEntry:
     accuracy_level: int = 0
     lm_head_bits: int = 0  # 0 = float head
     embedding_bits: int = 0  # 0 = float Gather table; else block-quantized rows (GatherBlockQuantized)
+    block_min: bool = False  # 4-bit layers keep their blocks' float minimums (export.quant.quantize_block_min)
     max_len: int = 0  # KV buffer capacity the rotary tables cover
     kv_dtype: str = "float32"
     tree_capable: bool = True

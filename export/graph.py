@@ -14,8 +14,9 @@ Ops (the fast class onnxruntime-genai's builder uses, written here from the arch
 embedding Gather · SimplifiedLayerNormalization / SkipSimplifiedLayerNormalization (fused RMSNorm + residual) ·
 one packed QKV MatMul · GroupQueryAttention with fused rotary (cos/sin caches, explicit position_ids) and
 `attention_bias` over a max-length KV buffer shared by past and present · packed gate/up MatMul · SiLU ·
-MatMulNBits (block-wise int4/int8 weights) or plain MatMul (fp32/fp16); or, for `w8a8`, int8 per-channel weights with
-int8 per-row activations (`_Builder.linear_w8a8`: MatMulIntegerToFloat, exact integer accumulation).
+MatMulNBits (block-wise int4/int8 weights; int4 blocks keep a float minimum, `_Builder.linear_block_min`) or plain
+MatMul (fp32/fp16); or, for `w8a8`, int8 per-channel weights with int8 per-row activations (`_Builder.linear_w8a8`:
+MatMulIntegerToFloat, exact integer accumulation).
 
 GroupQueryAttention wants `seqlens_k` (= T - 1) and `total_sequence_length` (= T); both are derived inside the graph
 from the attention bias' last dimension (+ 1 for the pad query row), so a caller only states the mask.
@@ -32,7 +33,7 @@ from edge.manifest import GRAPH_VERSION  # noqa: F401  (bumped with every change
 from kernels.postprocess import sampling_head
 
 from .checkpoint import Checkpoint
-from .quant import quantize_asymmetric, quantize_blockwise
+from .quant import block_sum_matrix, quantize_asymmetric, quantize_block_min, quantize_blockwise
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "w8a8")
 SHARED_CONSTANT_MAX = 64  # elements: larger initializers (weights) are never requested twice by name
@@ -48,6 +49,7 @@ class GraphOptions:
     accuracy_level: int = 4  # MatMulNBits: 4 = int8 activations (per row, per block), 0 = fp32 activations
     lm_head_bits: int | None = None  # None: 8 for int8/int4 bodies, float for fp32/fp16
     symmetric: bool = False  # False: min/max blocks with zero points (closer to GGUF's asymmetric Q4_1 source)
+    block_min: bool = True  # 4-bit min/max blocks keep their float minimum (Q4_1's form; `_Builder.linear_block_min`)
     layers: int | None = None  # early-exit drafter: the first N layers (+ final norm + head)
     max_len: int | None = None  # rotary table length; default: the model's max positions
     topk: int = 8  # 0: no on-graph head; else the head (kernels/postprocess.py), whose k the runtime feeds per call
@@ -67,6 +69,12 @@ class GraphOptions:
         if not self.bits or hidden % self.block_size:
             return 0
         return self.head_bits or 0
+
+    @property
+    def uses_block_min(self) -> bool:
+        """Do 4-bit layers of this graph (body or head) keep their blocks' float minimums? (those whose K splits
+        into whole blocks; the embedding's rows keep integer zero points)"""
+        return self.block_min and not self.symmetric and 4 in (self.bits, self.head_bits)
 
     @property
     def head_bits(self) -> int | None:
@@ -111,6 +119,8 @@ class _Builder:
             return self.node("MatMul", [x, wt], name=name)[0]
         if self.o.precision == "w8a8" and bits == 8:
             return self.linear_w8a8(x, w, name)
+        if bits == 4 and self.o.block_min and not self.o.symmetric and k % self.o.block_size == 0:
+            return self.linear_block_min(x, w, name)
         if self.o.symmetric:
             b, s = quantize_blockwise(w, bits, self.o.block_size)
             extra = []
@@ -120,6 +130,25 @@ class _Builder:
         q = [self.init(f"{name}.qweight", b), self.init(f"{name}.scales", s.astype(self.np_ft))] + extra
         return self.node("MatMulNBits", [x] + q, domain=MS, name=name, K=k, N=n, bits=bits,
                          block_size=self.o.block_size, accuracy_level=self.o.accuracy_level)[0]
+
+    def linear_block_min(self, x: str, w: np.ndarray, name: str) -> str:
+        """4-bit blocks with a float minimum (`export.quant.quantize_block_min`): MatMulNBits over [x, block sums of
+        x], whose extra input channels carry what the integer zero points rounded away. The block sums are one small
+        fp32 MatMul (x @ E, E [K, 32·extra] of 0/1, shared by every layer with this K); it sums each row on its own,
+        so a token's result still does not depend on the other rows in the call (tests/test_export_graph.py).
+        Measured on SmolLM2-135M (Q4_1 GGUF): top-1 against the source 0.96 instead of 0.63, for ~0.5 ms per call."""
+        n, k = w.shape
+        bs = self.o.block_size
+        b, s, z, extra = quantize_block_min(w, bs)
+        sums_name = f"block_sums_{k}"
+        if sums_name not in self._constants:  # too large to be compared on reuse: created once per K
+            self.init(sums_name, block_sum_matrix(k, bs, extra, self.np_ft))
+        sums = self.node("MatMul", [x, sums_name], name=f"{name}/block_sums")[0]
+        xs = self.node("Concat", [x, sums], name=f"{name}/with_sums", axis=-1)[0]
+        q = [self.init(f"{name}.qweight", b), self.init(f"{name}.scales", s.astype(self.np_ft)),
+             self.init(f"{name}.zero_points", z)]
+        return self.node("MatMulNBits", [xs] + q, domain=MS, name=name, K=k + extra * bs, N=n, bits=4, block_size=bs,
+                         accuracy_level=self.o.accuracy_level)[0]
 
     def linear_w8a8(self, x: str, w: np.ndarray, name: str) -> str:
         """y = x @ w.T with int8 weights (one symmetric scale per output channel) and int8 activations with one

@@ -48,6 +48,7 @@ class ExportOptions:
     block_size: int = 32
     accuracy_level: int = 4
     lm_head_bits: int | None = None
+    block_min: bool = True  # 4-bit layers keep their blocks' float minimums (export.quant.quantize_block_min)
     max_len: int = 8192  # KV capacity (capped by the model's own max positions)
     drafters: tuple[tuple[int, int], ...] = (DEFAULT_DRAFTER,)  # (layers, vocab); vocab 0 = full
     # separate small checkpoints (HF dir or .gguf) sharing the target's tokenizer, each exported whole with its LM
@@ -71,7 +72,7 @@ class ExportOptions:
 
     def graph_options(self, max_len: int, layers: int | None = None) -> GraphOptions:
         return GraphOptions(precision=self.precision, block_size=self.block_size, accuracy_level=self.accuracy_level,
-                            lm_head_bits=self.lm_head_bits, layers=layers, max_len=max_len)
+                            lm_head_bits=self.lm_head_bits, block_min=self.block_min, layers=layers, max_len=max_len)
 
 
 class _Steps:
@@ -238,7 +239,7 @@ def _checkpoint_drafter(path: Path, dck: Checkpoint, k: int, part: Path, opts: E
              "checkpoint": {"path": str(src.resolve()), "sha256": source_digest(src)}}
     return GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=dc.layers, vocab=len(ids_kept),
                       precision=opts.precision, block_size=opts.block_size, accuracy_level=target.accuracy_level,
-                      lm_head_bits=target.lm_head_bits,
+                      lm_head_bits=target.lm_head_bits, block_min=target.block_min,
                       embedding_bits=opts.graph_options(max_len).embedding_bits(dc.hidden),
                       max_len=max_len, id_map=f"{name}/id_map.npy", arch=dc.to_dict(),
                       stats=stats)
@@ -437,6 +438,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
                          precision=opts.precision, block_size=opts.block_size,
                          accuracy_level=opts.accuracy_level if opts.precision in ("int4", "int8") else 0,
                          lm_head_bits=opts.graph_options(max_len).head_bits or 0,
+                         block_min=opts.graph_options(max_len).uses_block_min,
                          embedding_bits=opts.graph_options(max_len).embedding_bits(c.hidden), max_len=max_len,
                          stats={"latency_ms_s1": round(target_ms[0], 3),
                                 "latency_ms_by_s": [round(t, 3) for t in target_ms]})]
@@ -480,7 +482,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
         graphs.append(GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=layers, vocab=k,
                                  precision=opts.precision, block_size=opts.block_size,
                                  accuracy_level=graphs[0].accuracy_level, lm_head_bits=graphs[0].lm_head_bits,
-                                 embedding_bits=graphs[0].embedding_bits,
+                                 block_min=graphs[0].block_min, embedding_bits=graphs[0].embedding_bits,
                                  max_len=max_len, id_map=f"{name}/id_map.npy", stats=stats))
 
     built = set()

@@ -101,12 +101,22 @@ class LinearBytes:
         return LinearBytes(self.packed * n, self.scales * n, self.zero_points * n, self.float_weight * n)
 
 
+def block_min_extra(k: int, block_size: int) -> int:
+    """Blocks a 4-bit layer with float block minimums appends to its K (export.quant.quantize_block_min): one
+    residual per block, packed into whole blocks."""
+    return -(-(k // block_size) // block_size)
+
+
 def linear_bytes(k: int, n: int, bits: int | None, block_size: int = 32, float_bytes: int = 4,
-                 zero_points: bool = True) -> LinearBytes:
-    """y = x @ W with W [K, N]: int4 MatMulNBits = K·N/2 + scales (K/block)·N·4 (+ zero points (K/block)·N/2)."""
+                 zero_points: bool = True, block_min: bool = False) -> LinearBytes:
+    """y = x @ W with W [K, N]: int4 MatMulNBits = K·N/2 + scales (K/block)·N·4 (+ zero points (K/block)·N/2).
+    `block_min` (4-bit with zero points, whole blocks): the residual blocks count like any other (the shared
+    block-sum matrix is not per layer: `predict_weight_bytes` adds it once per K)."""
     if not bits:
         return LinearBytes(float_weight=k * n * float_bytes)
     nb = -(-k // block_size)
+    if block_min and bits == 4 and zero_points and k % block_size == 0:
+        nb += block_min_extra(k, block_size)
     return LinearBytes(packed=n * nb * block_size * bits // 8, scales=n * nb * float_bytes,
                        zero_points=n * -(-nb * bits // 8) if zero_points else 0)
 
@@ -131,12 +141,13 @@ class WeightBytes:
 def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int | None = None,
                          precision: str = "int4", block_size: int = 32, lm_head_bits: int | None = None,
                          max_len: int | None = None, zero_points: bool = True, adapter: bool = False,
-                         embedding_bits: int = 0) -> WeightBytes:
+                         embedding_bits: int = 0, block_min: bool = False) -> WeightBytes:
     """What `export.graph.build_graph` writes for these settings, from architecture numbers alone (what-if planning:
     another precision, block size, drafter depth or trimmed vocabulary). `vocab`: the logits width (trimmed for
     drafters; the embedding always covers the full vocabulary). `lm_head_bits`: None = the exporter's default
     (8 for int bodies, float for fp32/fp16), 0 = float head. `embedding_bits`: 0 = float Gather table, else
-    block-quantized rows with one scale (and one zero-point byte) per block."""
+    block-quantized rows with one scale (and one zero-point byte) per block. `block_min`: 4-bit layers keep their
+    blocks' float minimums (residual blocks, plus one block-sum matrix [K, 32·extra] per distinct K, in `other`)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     a = arch
@@ -155,11 +166,14 @@ def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int
     def lin(k, n, b):
         if precision == "w8a8" and b == 8:  # int8 [K, N] + one scale per output channel (MatMulIntegerToFloat)
             return LinearBytes(packed=k * n, scales=n * fb)
-        return linear_bytes(k, n, b, block_size, fb, zero_points)
+        return linear_bytes(k, n, b, block_size, fb, zero_points, block_min)
 
     layer = lin(hidden, q_dim + 2 * kv_dim, bits) + lin(q_dim, hidden, bits) + lin(hidden, 2 * inter, bits) \
         + lin(inter, hidden, bits)
     other = layers * (q_dim + 2 * kv_dim) * fb if a.get("qkv_bias") else 0
+    if block_min and zero_points:
+        ks = {k for k, b in ((hidden, bits), (q_dim, bits), (inter, bits), (hidden, head_bits)) if b == 4}
+        other += sum(k * block_min_extra(k, block_size) * block_size * fb for k in ks if k % block_size == 0)
     other += hidden * hidden * fb if adapter else 0
     row = hidden * fb
     if embedding_bits:
@@ -184,7 +198,8 @@ def graph_weight_bytes(manifest, graph) -> WeightBytes:
     export's missing zero points) goes into `other`, so the total is always the file size."""
     w = predict_weight_bytes(manifest.arch_of(graph), layers=graph.layers, vocab=graph.vocab, precision=graph.precision,
                              block_size=graph.block_size or 32, lm_head_bits=graph.lm_head_bits,
-                             max_len=graph.max_len or None, embedding_bits=graph.embedding_bits)
+                             max_len=graph.max_len or None, embedding_bits=graph.embedding_bits,
+                             block_min=graph.block_min)
     if graph.weight_bytes:
         w = replace(w, other=w.other + graph.weight_bytes - w.total)
     return w

@@ -276,3 +276,22 @@ def test_default_with_out_exports_the_embedded_model_there(tiny_llama_dir, tmp_p
     m = load_manifest(out)
     assert m.name == "SmolLM2-135M-Instruct" and m.target.precision == "fp32"
     assert not (tmp_path / "home").exists()  # the cache was not touched
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_integer_zero_points_flag(run_export_cli, tiny_llama_dir, tmp_path, flag):
+    """int4 keeps the blocks' float minimums unless --integer-zero-points asks for MatMulNBits' own grid; the manifest
+    says which (and the graph has the block-sum inputs exactly when it keeps them)."""
+    import onnx
+
+    from edge.manifest import load_manifest
+
+    out = tmp_path / "out"
+    r = run_export_cli(tiny_llama_dir, "-o", out, "--precision", "int4", "--max-len", "128", "--drafter-layers", "1",
+                       "--drafter-vocab", "64", "--calib-tokens", "4", "--no-parity", "-q",
+                       *(["--integer-zero-points"] if flag else []))
+    assert r.returncode == 0, r.stderr[-600:]
+    m = load_manifest(out)
+    assert [g.block_min for g in m.graphs] == [not flag] * len(m.graphs)
+    g = onnx.load(str(out / m.target.file), load_external_data=False)
+    assert any(n.name.endswith("/block_sums") for n in g.graph.node) is (not flag)

@@ -376,7 +376,8 @@ def test_capacity_above_export_is_refused(exported_llama):
 
 @pytest.fixture(scope="module")
 def int4_graphs(tiny_llama, tmp_path_factory):
-    """int4 graphs with int8 activations (the shipped default scheme), with and without the pad query row."""
+    """int4 graphs with int8 activations, with and without the pad query row. Their 4-bit layers keep the blocks'
+    float minimums, so the block-sum MatMul is part of what must not depend on the call's width."""
     out = {}
     for pad in (True, False):
         p = tmp_path_factory.mktemp(f"int4-pad{int(pad)}") / "model.onnx"
