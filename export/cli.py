@@ -88,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="int4: round each block's minimum to MatMulNBits' integer zero point (onnxruntime-genai's "
                          "int4; ~10%% faster per call, but up to half a step off on every weight of a Q4_1 source: "
                          "top-1 0.63 instead of 0.95 on the embedded model). Default: keep the float minimum")
+    ap.add_argument("--no-smooth", action="store_true",
+                    help="w8a8: quantize the activations as they are, without first evening out their channels "
+                         "(SmoothQuant scales folded into the weights, export/smooth.py; top-1 against the source "
+                         "0.94 with it, 0.85 without, on the embedded model)")
     ap.add_argument("--lm-head-bits", type=int, choices=[0, 4, 8], default=None,
                     help="LM head precision for int4/int8/w8a8 (0 = float; default 8)")
     ap.add_argument("--max-len", type=int, default=8192, help="context capacity the graphs support (default 8192)")
@@ -139,9 +143,8 @@ def main(argv=None) -> int:
         a.precision = "int4" if a.via == "optimum" else DEFAULT_PRECISION
     try:
         opts = ExportOptions(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
-                             lm_head_bits=a.lm_head_bits, block_min=not a.integer_zero_points, max_len=a.max_len,
-                             drafters=drafters,
-                             drafter_checkpoints=drafter_cks,
+                             lm_head_bits=a.lm_head_bits, block_min=not a.integer_zero_points, smooth=not a.no_smooth,
+                             max_len=a.max_len, drafters=drafters, drafter_checkpoints=drafter_cks,
                              calib_new_tokens=a.calib_tokens, parity=not a.no_parity, threads=a.threads)
         if a.default and a.out:  # the embedded model, exported elsewhere (another precision, say)
             m = export_model(default_gguf_path(), Path(a.out),

@@ -24,7 +24,7 @@ from edge.manifest import (MANIFEST_NAME, OLD_MARKER, PARTIAL_MARKER, FileEntry,
                            sha256_file)
 from edge.text import TextCodec
 
-from . import calibration, distill, reference
+from . import calibration, distill, reference, smooth
 from .checkpoint import Checkpoint, load_checkpoint
 from .evaluate import GraphRunner, parity, rank_vocabulary
 from .graph import GRAPH_VERSION, GraphOptions, build_graph, save_model
@@ -49,6 +49,7 @@ class ExportOptions:
     accuracy_level: int = 4
     lm_head_bits: int | None = None
     block_min: bool = True  # 4-bit layers keep their blocks' float minimums (export.quant.quantize_block_min)
+    smooth: bool = True  # w8a8: even out the linear layers' input channels first (export/smooth.py)
     max_len: int = 8192  # KV capacity (capped by the model's own max positions)
     drafters: tuple[tuple[int, int], ...] = (DEFAULT_DRAFTER,)  # (layers, vocab); vocab 0 = full
     # separate small checkpoints (HF dir or .gguf) sharing the target's tokenizer, each exported whole with its LM
@@ -346,7 +347,7 @@ def _export_locked(source, out_dir, opts: ExportOptions, progress: bool, checkpo
     else:
         distilling = opts.distill and bool(opts.drafters)
         steps = _Steps(6 + (3 if distilling else 2) * len(opts.drafters) + distilling
-                       + 2 * len(opts.drafter_checkpoints), progress)
+                       + 2 * len(opts.drafter_checkpoints) + _smoothing(opts), progress)
         build = lambda: _build(source, part, opts, steps, checkpoint)  # noqa: E731
     try:
         m = build()
@@ -357,6 +358,11 @@ def _export_locked(source, out_dir, opts: ExportOptions, progress: bool, checkpo
     steps.close()
     _swap_into_place(part, out_dir)
     return m
+
+
+def _smoothing(opts: ExportOptions) -> bool:
+    """Is the target smoothed before quantization? (w8a8's per-row activation scales are what it helps)"""
+    return opts.smooth and opts.precision == "w8a8"
 
 
 def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: Checkpoint | None) -> Manifest:
@@ -381,13 +387,6 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
         _check_drafter_checkpoint(Path(p), dck, part / "tokenizer.json", min(opts.max_len, c.max_positions))
     steps.done()
 
-    steps.start(f"target graph ({opts.precision})")
-    target_file = "target/model.onnx"
-    (part / "target").mkdir()
-    save_model(build_graph(ck, opts.graph_options(max_len)), str(part / target_file))
-    runner = GraphRunner(str(part / target_file), c.layers, c.kv_heads, c.head_dim, opts.threads)
-    steps.done()
-
     prompts = [codec.encode_chat([{"role": "user", "content": p}]) for p in calibration.PROMPTS]
     room = max_len - opts.calib_new_tokens  # calibration prompt + continuation must fit the graph's context
     if room < 16:
@@ -396,10 +395,25 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     prompts = [p[-room:] for p in prompts]
     calib, held = prompts[: -calibration.HELD_OUT], prompts[-calibration.HELD_OUT :]
 
+    source_ck, smoothing = ck, None  # parity is always against the source; graphs are built from `ck`
+    if _smoothing(opts):
+        steps.start("smoothing activations (w8a8)")
+        t = time.perf_counter()
+        ck = smooth.smooth(ck, smooth.activation_maxima(ck, calib))
+        smoothing = {"alpha": smooth.ALPHA, "prompts": len(calib), "seconds": round(time.perf_counter() - t, 2)}
+        steps.done()
+
+    steps.start(f"target graph ({opts.precision})")
+    target_file = "target/model.onnx"
+    (part / "target").mkdir()
+    save_model(build_graph(ck, opts.graph_options(max_len)), str(part / target_file))
+    runner = GraphRunner(str(part / target_file), c.layers, c.kv_heads, c.head_dim, opts.threads)
+    steps.done()
+
     steps.start("parity vs fp32 reference")
     report = {}
     if opts.parity:
-        ref = [reference.forward(ck, ids) for ids in held[:3]]
+        ref = [reference.forward(source_ck, ids) for ids in held[:3]]
         got = [runner.logits(ids) for ids in held[:3]]
         report = parity(ref, got)
         report["prompts"] = len(ref)
@@ -441,7 +455,8 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
                          block_min=opts.graph_options(max_len).uses_block_min,
                          embedding_bits=opts.graph_options(max_len).embedding_bits(c.hidden), max_len=max_len,
                          stats={"latency_ms_s1": round(target_ms[0], 3),
-                                "latency_ms_by_s": [round(t, 3) for t in target_ms]})]
+                                "latency_ms_by_s": [round(t, 3) for t in target_ms],
+                                **({"smoothing": smoothing} if smoothing else {})})]
     for layers, k in opts.drafters:
         k = min(k or c.vocab, c.vocab)
         name = f"drafter-l{layers}-v{k}"

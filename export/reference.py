@@ -24,11 +24,13 @@ def _rotate(x: np.ndarray, pos: np.ndarray, inv: np.ndarray) -> np.ndarray:
 
 
 def forward(ck: Checkpoint, ids, positions=None, mask=None, layers: int | None = None,
-            adapter: np.ndarray | None = None, return_hidden: bool = False) -> np.ndarray:
+            adapter: np.ndarray | None = None, return_hidden: bool = False, observe=None) -> np.ndarray:
     """ids [S] → logits [S, V]. `positions` [S] default 0..S-1; `mask` bool [S, S] (True = may attend),
     default causal. `layers` < config.layers gives the early-exit drafter's logits (final norm + LM head);
     `adapter` [H, H] is applied to the residual stream before the final norm; `return_hidden` returns the
-    residual stream [S, H] after the last layer run instead of logits."""
+    residual stream [S, H] after the last layer run instead of logits. `observe(name, x)`, if given, sees every
+    linear layer's input [S, K] (names "{layer}.qkv", ".o", ".gate_up", ".down"; export/smooth.py's statistics)."""
+    look = observe or (lambda name, x: None)
     c = ck.config
     ids = np.asarray(ids, dtype=np.int64)
     S = ids.shape[0]
@@ -42,6 +44,7 @@ def forward(ck: Checkpoint, ids, positions=None, mask=None, layers: int | None =
     for i in range(c.layers if layers is None else layers):
         L = lambda n: w[f"model.layers.{i}.{n}"]  # noqa: E731
         x = _rms(h, L("input_layernorm.weight"), c.rms_eps)
+        look(f"{i}.qkv", x)
         q, k, v = (x @ L(f"self_attn.{n}_proj.weight").T for n in "qkv")
         if c.qkv_bias:
             q, k, v = q + L("self_attn.q_proj.bias"), k + L("self_attn.k_proj.bias"), v + L("self_attn.v_proj.bias")
@@ -51,11 +54,15 @@ def forward(ck: Checkpoint, ids, positions=None, mask=None, layers: int | None =
         k, v = np.repeat(k, group, 0), np.repeat(v, group, 0)
         s = q @ k.transpose(0, 2, 1) / np.sqrt(c.head_dim) + bias
         s = np.exp(s - s.max(-1, keepdims=True))
-        a = (s / s.sum(-1, keepdims=True)) @ v  # [H, S, D]
-        h = h + a.transpose(1, 0, 2).reshape(S, -1) @ L("self_attn.o_proj.weight").T
+        a = ((s / s.sum(-1, keepdims=True)) @ v).transpose(1, 0, 2).reshape(S, -1)  # [S, H·D]
+        look(f"{i}.o", a)
+        h = h + a @ L("self_attn.o_proj.weight").T
         x = _rms(h, L("post_attention_layernorm.weight"), c.rms_eps)
+        look(f"{i}.gate_up", x)
         g = x @ L("mlp.gate_proj.weight").T
-        h = h + ((g / (1 + np.exp(-g))) * (x @ L("mlp.up_proj.weight").T)) @ L("mlp.down_proj.weight").T
+        act = (g / (1 + np.exp(-g))) * (x @ L("mlp.up_proj.weight").T)
+        look(f"{i}.down", act)
+        h = h + act @ L("mlp.down_proj.weight").T
     if return_hidden:
         return h
     if adapter is not None:

@@ -295,3 +295,16 @@ def test_integer_zero_points_flag(run_export_cli, tiny_llama_dir, tmp_path, flag
     assert [g.block_min for g in m.graphs] == [not flag] * len(m.graphs)
     g = onnx.load(str(out / m.target.file), load_external_data=False)
     assert any(n.name.endswith("/block_sums") for n in g.graph.node) is (not flag)
+
+
+def test_no_smooth_flag(run_export_cli, tiny_llama_dir, tmp_path):
+    """w8a8 is smoothed by default (the manifest records it); --no-smooth quantizes the activations as they are."""
+    from edge.manifest import load_manifest
+
+    for flag in (False, True):
+        out = tmp_path / f"out-{flag}"
+        r = run_export_cli(tiny_llama_dir, "-o", out, "--precision", "w8a8", "--max-len", "128", "--drafter-layers",
+                           "1", "--drafter-vocab", "64", "--calib-tokens", "4", "--no-parity", "-q",
+                           *(["--no-smooth"] if flag else []))
+        assert r.returncode == 0, r.stderr[-600:]
+        assert ("smoothing" in load_manifest(out).target.stats) is (not flag)
