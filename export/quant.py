@@ -91,7 +91,7 @@ def block_sum_matrix(k: int, block_size: int, extra: int, dtype=np.float32) -> n
 def dequantize_block_min(b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, n: int, k: int,
                          block_size: int) -> np.ndarray:
     """The [N, K] weights a `quantize_block_min` layer computes with: s·(q − z) plus its block's de-quantized
-    residual (tests and the parity report)."""
+    residual (what the tests compare the graph with)."""
     nb = k // block_size
     blocks = b.shape[1]
     q = np.empty((n, blocks, block_size), np.uint8)
