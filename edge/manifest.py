@@ -19,7 +19,8 @@ FORMAT_VERSION = 2  # the newest format this edgespec reads (and writes when an 
 OLDEST_FORMAT = 1  # format 2 adds GraphEntry.arch (a drafter from its own checkpoint); format 1 exports still load
 # the graphs export.graph writes: bumped whenever they change, so a cached export from an older builder is rebuilt
 # (2: the pad query row; 3: block-quantized embedding rows; 4: the default export became w8a8; 5: the on-graph head
-# takes k and the temperature per call and returns probabilities; 6: int4 blocks keep their float minimum)
+# takes k and the temperature per call and returns probabilities; 6: w8a8 smoothed before quantization, int4 blocks
+# keep their float minimum)
 GRAPH_VERSION = 6
 FAST_HASH_BYTES = 16 << 20  # verify="fast" hashes files up to this size
 MANIFEST_NAME = "edge_model.json"

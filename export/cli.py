@@ -90,8 +90,10 @@ def _parser() -> argparse.ArgumentParser:
                          "top-1 0.63 instead of 0.95 on the embedded model). Default: keep the float minimum")
     ap.add_argument("--no-smooth", action="store_true",
                     help="w8a8: quantize the activations as they are, without first evening out their channels "
-                         "(SmoothQuant scales folded into the weights, export/smooth.py; top-1 against the source "
-                         "0.94 with it, 0.85 without, on the embedded model)")
+                         "(SmoothQuant scales folded into the weights, export/smooth.py). It helps models whose "
+                         "activations have outlier channels, as trained LLMs do: on the embedded model top-1 against "
+                         "the source is 0.929 with it, 0.864 without (export parity); on a random tiny test model, "
+                         "which has none, it measured no gain (0.94 against 0.95)")
     ap.add_argument("--lm-head-bits", type=int, choices=[0, 4, 8], default=None,
                     help="LM head precision for int4/int8/w8a8 (0 = float; default 8)")
     ap.add_argument("--max-len", type=int, default=8192, help="context capacity the graphs support (default 8192)")

@@ -70,11 +70,14 @@ class GraphOptions:
             return 0
         return self.head_bits or 0
 
-    @property
-    def uses_block_min(self) -> bool:
-        """Do 4-bit layers of this graph (body or head) keep their blocks' float minimums? (those whose K splits
-        into whole blocks; the embedding's rows keep integer zero points)"""
-        return self.block_min and not self.symmetric and 4 in (self.bits, self.head_bits)
+    def uses_block_min(self, hidden: int, q_dim: int, intermediate: int) -> bool:
+        """Does any 4-bit layer of this graph keep its blocks' float minimums? Those whose K splits into whole blocks
+        do (qkv, gate/up and the head read `hidden`, o_proj `q_dim`, down `intermediate`); the others, and the
+        embedding's rows, keep integer zero points."""
+        if not self.block_min or self.symmetric:
+            return False
+        ks = ((hidden, q_dim, intermediate) if self.bits == 4 else ()) + ((hidden,) if self.head_bits == 4 else ())
+        return any(k % self.block_size == 0 for k in ks)
 
     @property
     def head_bits(self) -> int | None:
@@ -134,10 +137,10 @@ class _Builder:
     def linear_block_min(self, x: str, w: np.ndarray, name: str) -> str:
         """4-bit blocks with a float minimum (`export.quant.quantize_block_min`): MatMulNBits over [x, block sums of
         x], whose extra input channels carry what the integer zero points rounded away. The block sums are one small
-        fp32 MatMul (x @ E, E [K, 32·extra] of 0/1, shared by every layer with this K); it sums each row on its own,
+        fp32 MatMul (x @ E, E [K, block·extra] of 0/1, shared by every layer with this K); it sums each row on its own,
         so a token's result still does not depend on the other rows in the call (tests/test_export_graph.py).
         Measured on SmolLM2-135M (Q4_1 GGUF): top-1 against the source 0.95 instead of 0.63 (export parity), for
-        ~0.5-0.7 ms more per call on a 2-core CPU (2 small ops per layer, K + 32 or + 64)."""
+        ~0.5-0.7 ms more per call on a 2-core CPU (2 small ops per linear, K + 32 or + 64)."""
         n, k = w.shape
         bs = self.o.block_size
         b, s, z, extra = quantize_block_min(w, bs)

@@ -49,7 +49,8 @@ class ExportOptions:
     accuracy_level: int = 4
     lm_head_bits: int | None = None
     block_min: bool = True  # 4-bit layers keep their blocks' float minimums (export.quant.quantize_block_min)
-    smooth: bool = True  # w8a8: even out the linear layers' input channels first (export/smooth.py)
+    smooth: bool = True  # w8a8: even out the target's (and its early-exit drafters') linear inputs (export/smooth.py);
+    # a separate --drafter-checkpoint is not smoothed
     max_len: int = 8192  # KV capacity (capped by the model's own max positions)
     drafters: tuple[tuple[int, int], ...] = (DEFAULT_DRAFTER,)  # (layers, vocab); vocab 0 = full
     # separate small checkpoints (HF dir or .gguf) sharing the target's tokenizer, each exported whole with its LM
@@ -240,7 +241,9 @@ def _checkpoint_drafter(path: Path, dck: Checkpoint, k: int, part: Path, opts: E
              "checkpoint": {"path": str(src.resolve()), "sha256": source_digest(src)}}
     return GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=dc.layers, vocab=len(ids_kept),
                       precision=opts.precision, block_size=opts.block_size, accuracy_level=target.accuracy_level,
-                      lm_head_bits=target.lm_head_bits, block_min=target.block_min,
+                      lm_head_bits=target.lm_head_bits,
+                      block_min=opts.graph_options(max_len).uses_block_min(dc.hidden, dc.heads * dc.head_dim,
+                                                                           dc.intermediate),
                       embedding_bits=opts.graph_options(max_len).embedding_bits(dc.hidden),
                       max_len=max_len, id_map=f"{name}/id_map.npy", arch=dc.to_dict(),
                       stats=stats)
@@ -395,10 +398,13 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     prompts = [p[-room:] for p in prompts]
     calib, held = prompts[: -calibration.HELD_OUT], prompts[-calibration.HELD_OUT :]
 
-    source_ck, smoothing = ck, None  # parity is always against the source; graphs are built from `ck`
+    smoothing = None
     if _smoothing(opts):
         steps.start("smoothing activations (w8a8)")
         t = time.perf_counter()
+        # parity compares with the source: its logits first, so the unsmoothed weights need not stay in memory
+        # beside the smoothed ones (~425 MB for the embedded model)
+        ref = [reference.forward(ck, ids) for ids in held[:3]] if opts.parity else []
         ck = smooth.smooth(ck, smooth.activation_maxima(ck, calib))
         smoothing = {"alpha": smooth.ALPHA, "prompts": len(calib), "seconds": round(time.perf_counter() - t, 2)}
         steps.done()
@@ -413,7 +419,8 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     steps.start("parity vs fp32 reference")
     report = {}
     if opts.parity:
-        ref = [reference.forward(source_ck, ids) for ids in held[:3]]
+        if smoothing is None:
+            ref = [reference.forward(ck, ids) for ids in held[:3]]
         got = [runner.logits(ids) for ids in held[:3]]
         report = parity(ref, got)
         report["prompts"] = len(ref)
@@ -452,7 +459,8 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
                          precision=opts.precision, block_size=opts.block_size,
                          accuracy_level=opts.accuracy_level if opts.precision in ("int4", "int8") else 0,
                          lm_head_bits=opts.graph_options(max_len).head_bits or 0,
-                         block_min=opts.graph_options(max_len).uses_block_min,
+                         block_min=opts.graph_options(max_len).uses_block_min(c.hidden, c.heads * c.head_dim,
+                                                                              c.intermediate),
                          embedding_bits=opts.graph_options(max_len).embedding_bits(c.hidden), max_len=max_len,
                          stats={"latency_ms_s1": round(target_ms[0], 3),
                                 "latency_ms_by_s": [round(t, 3) for t in target_ms],

@@ -141,7 +141,7 @@ class WeightBytes:
 def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int | None = None,
                          precision: str = "int4", block_size: int = 32, lm_head_bits: int | None = None,
                          max_len: int | None = None, zero_points: bool = True, adapter: bool = False,
-                         embedding_bits: int = 0, block_min: bool = False) -> WeightBytes:
+                         embedding_bits: int = 0, block_min: bool = True) -> WeightBytes:
     """What `export.graph.build_graph` writes for these settings, from architecture numbers alone (what-if planning:
     another precision, block size, drafter depth or trimmed vocabulary). `vocab`: the logits width (trimmed for
     drafters; the embedding always covers the full vocabulary). `lm_head_bits`: None = the exporter's default

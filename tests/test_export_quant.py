@@ -498,13 +498,13 @@ def test_footprint_predicts_block_min_weights_to_the_byte(tiny_llama, head_bits)
     assert any(n.op_type == "MatMulNBits" and "/with_sums/" in n.input[0] for n in m.graph.node)
     arch = {"layers": c.layers, "vocab": c.vocab, "hidden": c.hidden, "head_dim": c.head_dim,
             "intermediate": c.intermediate, "heads": c.heads, "kv_heads": c.kv_heads}
-    w = predict_weight_bytes(arch, precision="int4", lm_head_bits=head_bits, max_len=64, block_min=True)
+    w = predict_weight_bytes(arch, precision="int4", lm_head_bits=head_bits, max_len=64)  # the exporter's default
     body = sum(v for n, v in size.items() if n.startswith("l") and n.split("/")[0][1:].isdigit()
                and n.endswith((".qweight", ".scales", ".zero_points")))
     head = sum(v for n, v in size.items() if n.startswith("lm_head."))
     sums = sum(v for n, v in size.items() if n.startswith("block_sums_"))
     assert (w.body.total, w.head.total, w.other) == (body, head, sums)
-    plain = predict_weight_bytes(arch, precision="int4", lm_head_bits=head_bits, max_len=64)
+    plain = predict_weight_bytes(arch, precision="int4", lm_head_bits=head_bits, max_len=64, block_min=False)
     assert w.body.total > plain.body.total and (w.head.total > plain.head.total) == (head_bits == 4)
 
 

@@ -111,3 +111,18 @@ def test_other_precisions_are_not_smoothed(tmp_path, tiny_llama_dir):
     m = export_model(tiny_llama_dir, tmp_path / "out", tiny_export_options(precision="int4", drafters=(), parity=False),
                      progress=False)
     assert "smoothing" not in m.target.stats
+
+
+def test_packed_maxima_equal_one_forward_per_sequence(tiny_llama):
+    """activation_maxima packs sequences into one forward (block-diagonal mask, positions from 0 each): the same
+    maxima as running them one by one, whatever the packing."""
+    seqs = prompts(7, seed=3)
+    one = {}
+    for ids in seqs:
+        for k, v in smooth.activation_maxima(tiny_llama, [ids]).items():
+            one[k] = v if k not in one else np.maximum(one[k], v)
+    for chunk in (1, 60, 10_000):
+        packed = smooth.activation_maxima(tiny_llama, seqs, chunk=chunk)
+        assert packed.keys() == one.keys()
+        for k in one:
+            np.testing.assert_allclose(packed[k], one[k], rtol=1e-5, atol=1e-6)

@@ -53,7 +53,7 @@ def smollm2_manifest(**graph_overrides) -> Manifest:
     return Manifest.from_dict(d)
 
 
-M = smollm2_manifest()
+M = smollm2_manifest()  # an int4 export from before GRAPH_VERSION 6: integer zero points (block_min=False)
 CPU = DEFAULT_CALIBRATIONS["cpu"]
 
 
@@ -86,7 +86,7 @@ def test_linear_bytes(k, n, bits, fb, zp, expected):
 
 # ------------------------------------------------------------------------------------------- weights
 def test_predicted_weights_of_the_real_target_match_its_data_file_to_the_byte():
-    w = predict_weight_bytes(M.arch, precision="int4", block_size=32, lm_head_bits=8, max_len=8192)
+    w = predict_weight_bytes(M.arch, precision="int4", block_size=32, lm_head_bits=8, max_len=8192, block_min=False)
     assert w.embedding == 49152 * 576 * 4 == 113_246_208
     assert w.body == LinearBytes(packed=53_084_160, scales=13_271_040, zero_points=1_658_880)  # 30 layers
     assert w.head == LinearBytes(packed=28_311_552, scales=3_538_944, zero_points=884_736)
@@ -97,7 +97,8 @@ def test_predicted_weights_of_the_real_target_match_its_data_file_to_the_byte():
 
 
 def test_predicted_weights_of_the_real_drafter_match_its_data_file_to_the_byte():
-    w = predict_weight_bytes(M.arch, layers=2, vocab=8192, precision="int4", lm_head_bits=8, max_len=8192)
+    w = predict_weight_bytes(M.arch, layers=2, vocab=8192, precision="int4", lm_head_bits=8, max_len=8192,
+                             block_min=False)
     assert w.embedding == 113_246_208  # a drafter embeds the full target vocabulary
     assert w.head == LinearBytes(packed=4_718_592, scales=589_824, zero_points=147_456)  # trimmed to 8192 rows
     assert w.total - w.proto == DRAFTER_DATA
@@ -112,7 +113,7 @@ def test_predicted_weights_of_the_real_drafter_match_its_data_file_to_the_byte()
     ("int4", 0, 113_246_208, 68_014_080, 576 * 49152 * 4),  # lm_head_bits=0: float head
 ])
 def test_what_if_precisions(precision, head_bits, embedding, body_total, head_total):
-    w = predict_weight_bytes(M.arch, precision=precision, lm_head_bits=head_bits, max_len=8192)
+    w = predict_weight_bytes(M.arch, precision=precision, lm_head_bits=head_bits, max_len=8192, block_min=False)
     assert (w.embedding, w.body.total, w.head.total) == (embedding, body_total, head_total)
 
 
@@ -124,7 +125,7 @@ def test_graph_weight_bytes_reconciles_with_the_manifest():
     # an unrecorded export option (here a 576x576 fp32 adapter) shows up in `other`, not lost
     g = replace(M.drafters[0], weight_bytes=M.drafters[0].weight_bytes + 576 * 576 * 4)
     assert graph_weight_bytes(M, g).other == 576 * 576 * 4 - 5  # -5: the protobuf estimate's error
-    assert predict_weight_bytes(M.arch, layers=2, vocab=8192, max_len=8192, adapter=True).other == 576 * 576 * 4
+    assert predict_weight_bytes(M.arch, layers=2, vocab=8192, max_len=8192, adapter=True, block_min=False).other == 576 * 576 * 4
 
 
 def touched(ctx: int) -> int:
@@ -135,7 +136,7 @@ def touched(ctx: int) -> int:
 def test_resident_weights_on_the_cpu():
     """CPU EP: MatMulNBits repacked with a second scale-sized block; the embedding paged in 64 KB fault-around
     windows around the rows of the distinct tokens seen (Heaps' law: 1000^0.8 ≈ 251 of them)."""
-    w = predict_weight_bytes(M.arch, max_len=8192)
+    w = predict_weight_bytes(M.arch, max_len=8192, block_min=False)
     prepacked = 53_084_160 + 2 * 13_271_040 + 1_658_880 + 28_311_552 + 2 * 3_538_944 + 884_736
     assert prepacked == 117_559_296
     ctx = 1000
