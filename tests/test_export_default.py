@@ -31,8 +31,9 @@ def test_default_model_export_and_parity(tmp_path):
     p = m.parity
     assert {"max_abs_diff", "top1_agreement", "positions"} <= set(p) and p["positions"] > 0
     # w8a8 (int8 weights per channel, int8 activations per row, smoothed channels) vs the fp32 Q4_1 source: measured
-    # 0.929 over 140 positions (max |Δ| 5.4); 0.864 (7.5) without smoothing (export/smooth.py)
-    assert m.target.precision == "w8a8" and p["top1_agreement"] >= 0.9, p
+    # 0.907-0.929 over 140 positions (float rounding of the calibration maxima moves it); 0.864 without smoothing
+    # (export/smooth.py)
+    assert m.target.precision == "w8a8" and p["top1_agreement"] >= 0.88, p
     assert m.target.stats["smoothing"]["prompts"] > 0
     (dr,) = m.drafters
     id_map = np.load(out / dr.id_map)
