@@ -30,7 +30,7 @@ def default_model_dir() -> Path:
 
 def ensure_default_model(progress: bool = True) -> Path:
     """The embedded default, exported into the cache on first use, or again when an older graph builder wrote it.
-    The export runs in a child process (`python -m export.cli --default`): its ~1.3 GB peak, and what the allocator
+    The export runs in a child process (`python -m export.cli --default`): its ~1.7 GB peak, and what the allocator
     keeps of it afterwards, never become this process's memory. (The only place `edge` reaches into `export`.)"""
     import subprocess
     import sys

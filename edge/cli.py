@@ -14,7 +14,7 @@ HELP = "commands: /reset (forget the conversation)  /stats (last answer's counte
 
 def peak_rss_mb() -> float:
     """Peak resident set size of this process, in MB of 2**20 bytes like the footprint model's. (Not its children:
-    a first-run export runs in a child whose ~1.3 GB peak is not the chat's.)"""
+    a first-run export runs in a child whose ~1.7 GB peak is not the chat's.)"""
     from .memprobe import peak_rss_bytes
 
     return peak_rss_bytes() / 2**20
