@@ -33,7 +33,7 @@ from edge.manifest import GRAPH_VERSION  # noqa: F401  (bumped with every change
 from kernels.postprocess import sampling_head
 
 from .checkpoint import Checkpoint
-from .quant import block_sum_matrix, quantize_asymmetric, quantize_block_min, quantize_blockwise
+from .quant import block_sum_matrix, quantize_asymmetric, quantize_block_min, quantize_blockwise, unpack4
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "w8a8")
 SHARED_CONSTANT_MAX = 64  # elements: larger initializers (weights) are never requested twice by name
@@ -193,7 +193,7 @@ class _Builder:
         else:
             b, scales, z = quantize_asymmetric(w, bits, self.o.block_size)
             if bits == 4:  # MatMulNBits packs two blocks' zero points per byte; here one per block (low nibble)
-                z = np.stack([z & 0x0F, z >> 4], -1)
+                z = unpack4(z.reshape(v, -1), nb)
         inputs = [self.init("embed_tokens.qweight", b), "input_ids",
                   self.init("embed_tokens.scales", scales.astype(self.np_ft).reshape(v, nb, 1))]
         if z is not None:

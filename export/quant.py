@@ -29,6 +29,13 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(q)
 
 
+def unpack4(b: np.ndarray, count: int) -> np.ndarray:
+    """Inverse of `_pack` for 4-bit values: bytes [..., L] → the first `count` values [..., count] (low nibble first)."""
+    q = np.empty(b.shape[:-1] + (2 * b.shape[-1],), np.uint8)
+    q[..., 0::2], q[..., 1::2] = b & 0x0F, b >> 4
+    return q[..., :count]
+
+
 def quantize_asymmetric(w: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Min/max per block with an integer zero point → (B, scales [N*n_blocks], zero_points uint8 packed
     [N * ceil(n_blocks*bits/8)]). Suits weights that were already asymmetric (GGUF Q4_1/Q5_1/K-quants): their
@@ -73,7 +80,7 @@ def quantize_block_min(w: np.ndarray, block_size: int) -> tuple[np.ndarray, np.n
     padded = np.zeros((n, extra * block_size), np.float32)
     padded[:, :nb] = resid
     rb, rs, rz = quantize_asymmetric(padded, 4, block_size)
-    rz = np.stack([rz & 0x0F, rz >> 4], -1).reshape(n, -1)[:, :extra]  # one zero point per block, unpacked
+    rz = unpack4(rz.reshape(n, -1), extra)  # one zero point per block
     b = np.concatenate([_pack(q, 4), rb.reshape(n, extra, block_size // 2)], 1)
     s = np.concatenate([scale, rs.reshape(n, extra)], 1)
     z = np.concatenate([zp, rz], 1)
@@ -94,12 +101,8 @@ def dequantize_block_min(b: np.ndarray, scales: np.ndarray, zero_points: np.ndar
     residual (what the tests compare the graph with)."""
     nb = k // block_size
     blocks = b.shape[1]
-    q = np.empty((n, blocks, block_size), np.uint8)
-    q[..., 0::2], q[..., 1::2] = b & 0x0F, b >> 4
-    z = np.empty((n, 2 * -(-blocks // 2)), np.uint8)
-    zb = zero_points.reshape(n, -1)
-    z[:, 0::2], z[:, 1::2] = zb & 0x0F, zb >> 4
-    full = (q.astype(np.float32) - z[:, :blocks, None]) * scales.reshape(n, blocks, 1)  # [N, blocks, bs]
+    q, z = unpack4(b, block_size), unpack4(zero_points.reshape(n, -1), blocks)
+    full = (q.astype(np.float32) - z[..., None]) * scales.reshape(n, blocks, 1)  # [N, blocks, bs]
     resid = full[:, nb:].reshape(n, -1)[:, :nb]  # [N, nb]
     return (full[:, :nb] + resid[..., None]).reshape(n, k)
 
@@ -120,10 +123,6 @@ def quantize_blockwise(w: np.ndarray, bits: int, block_size: int) -> tuple[np.nd
 def dequantize_blockwise(b: np.ndarray, scales: np.ndarray, bits: int, block_size: int, k: int) -> np.ndarray:
     """Inverse of `quantize_blockwise` → [N, K] fp32 (used by tests and the parity report)."""
     n, nb, _ = b.shape
-    if bits == 4:
-        q = np.empty((n, nb, block_size), np.uint8)
-        q[..., 0::2], q[..., 1::2] = b & 0x0F, b >> 4
-    else:
-        q = b
+    q = unpack4(b, block_size) if bits == 4 else b
     w = (q.astype(np.float32) - (1 << (bits - 1))) * scales.reshape(n, nb, 1)
     return w.reshape(n, nb * block_size)[:, :k]
