@@ -189,10 +189,14 @@ def _per_prompt(runs: list[dict]) -> dict[tuple, dict]:
                 "tokens": rs[0]["tokens"]} for k, rs in cell.items()}
 
 
+def _pairs(per: dict, c: str, keys: list, m: str, ref: str | None) -> list[tuple[dict, dict]]:
+    """Per prompt of category c that both modes ran: (mode m's medians, mode ref's)."""
+    return [(per[(p, t, c, m)], per[(p, t, c, ref)]) for p, t in keys if (p, t, c, m) in per and (p, t, c, ref) in per]
+
+
 def _ratios(per: dict, c: str, keys: list, m: str, ref: str) -> list[float]:
     """Per prompt of category c: mode m's decode tok/s over mode ref's, where both ran."""
-    return [per[(p, t, c, m)]["decode_tok_s"] / per[(p, t, c, ref)]["decode_tok_s"] for p, t in keys
-            if (p, t, c, m) in per and (p, t, c, ref) in per and per[(p, t, c, ref)]["decode_tok_s"] > 0]
+    return [x["decode_tok_s"] / r["decode_tok_s"] for x, r in _pairs(per, c, keys, m, ref) if r["decode_tok_s"] > 0]
 
 
 def summarize(runs: list[dict], modes: list[str], greedy: bool = True) -> dict:
@@ -223,8 +227,7 @@ def summarize(runs: list[dict], modes: list[str], greedy: bool = True) -> dict:
                 ref, key = PEER_REFERENCE.get(m), "identical_to_own_greedy"
             else:
                 ref, key = "none", "identical_to_none"
-            same = [per[(p, t, c, m)]["tokens"] == per[(p, t, c, ref)]["tokens"]
-                    for p, t in keys if (p, t, c, m) in per and (p, t, c, ref) in per]
+            same = [x["tokens"] == r["tokens"] for x, r in _pairs(per, c, keys, m, ref)]
             row[m][key] = f"{sum(same)}/{len(same)}" if same and greedy else None
         out[c] = row
     return out

@@ -229,7 +229,8 @@ def _checkpoint_drafter(path: Path, dck: Checkpoint, k: int, part: Path, opts: E
     np.save(part / name / "id_map.npy", ids_kept)
     graph = part / name / "model.onnx"
     head_ids = ids_kept if len(ids_kept) < dc.vocab else None
-    save_model(build_graph(dck, opts.graph_options(max_len), head_ids), str(graph))
+    gopts = opts.graph_options(max_len)
+    save_model(build_graph(dck, gopts, head_ids), str(graph))
     steps.done()
     steps.start(f"drafter checkpoint {path.name}: agreement")
     agree = _agreement(graph, dc.layers, dc, opts.threads, ids_kept, held)
@@ -242,9 +243,8 @@ def _checkpoint_drafter(path: Path, dck: Checkpoint, k: int, part: Path, opts: E
     return GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=dc.layers, vocab=len(ids_kept),
                       precision=opts.precision, block_size=opts.block_size, accuracy_level=target.accuracy_level,
                       lm_head_bits=target.lm_head_bits,
-                      block_min=opts.graph_options(max_len).uses_block_min(dc.hidden, dc.heads * dc.head_dim,
-                                                                           dc.intermediate),
-                      embedding_bits=opts.graph_options(max_len).embedding_bits(dc.hidden),
+                      block_min=gopts.uses_block_min(dc.hidden, dc.heads * dc.head_dim, dc.intermediate),
+                      embedding_bits=gopts.embedding_bits(dc.hidden),
                       max_len=max_len, id_map=f"{name}/id_map.npy", arch=dc.to_dict(),
                       stats=stats)
 
@@ -412,7 +412,8 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     steps.start(f"target graph ({opts.precision})")
     target_file = "target/model.onnx"
     (part / "target").mkdir()
-    save_model(build_graph(ck, opts.graph_options(max_len)), str(part / target_file))
+    target_opts = opts.graph_options(max_len)
+    save_model(build_graph(ck, target_opts), str(part / target_file))
     runner = GraphRunner(str(part / target_file), c.layers, c.kv_heads, c.head_dim, opts.threads)
     steps.done()
 
@@ -458,10 +459,9 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     graphs = [GraphEntry(role="target", name="target", file=target_file, layers=c.layers, vocab=c.vocab,
                          precision=opts.precision, block_size=opts.block_size,
                          accuracy_level=opts.accuracy_level if opts.precision in ("int4", "int8") else 0,
-                         lm_head_bits=opts.graph_options(max_len).head_bits or 0,
-                         block_min=opts.graph_options(max_len).uses_block_min(c.hidden, c.heads * c.head_dim,
-                                                                              c.intermediate),
-                         embedding_bits=opts.graph_options(max_len).embedding_bits(c.hidden), max_len=max_len,
+                         lm_head_bits=target_opts.head_bits or 0,
+                         block_min=target_opts.uses_block_min(c.hidden, c.heads * c.head_dim, c.intermediate),
+                         embedding_bits=target_opts.embedding_bits(c.hidden), max_len=max_len,
                          stats={"latency_ms_s1": round(target_ms[0], 3),
                                 "latency_ms_by_s": [round(t, 3) for t in target_ms],
                                 **({"smoothing": smoothing} if smoothing else {})})]

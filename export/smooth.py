@@ -84,15 +84,15 @@ def smooth(ck: Checkpoint, amax: dict[str, np.ndarray], alpha: float = ALPHA) ->
         for n, col_s in cols:
             w[n] = (w[n] * col_s[None, :]).astype(np.float32)
 
+    # o_proj's input channel (head h, dim d) is v's output channel (h // group, d): heads sharing a v channel share
+    # its s
+    by_v = lambda x: x.reshape(c.kv_heads, group, c.head_dim).max(1).reshape(-1)  # noqa: E731
     for i in range(c.layers):
         p = f"model.layers.{i}."
         qkv = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
         s = _scales(amax[f"{i}.qkv"], _col_max(*(w[n] for n in qkv)), alpha)
         scale(p + "input_layernorm.weight", s, cols=[(n, s) for n in qkv])
 
-        # o_proj's input channel (head h, dim d) is v's output channel (h // group, d): heads sharing a v channel
-        # share its s
-        by_v = lambda x: x.reshape(c.kv_heads, group, c.head_dim).max(1).reshape(-1)  # noqa: E731
         o = p + "self_attn.o_proj.weight"
         s_v = _scales(by_v(amax[f"{i}.o"]), by_v(_col_max(w[o])), alpha)
         s_o = np.repeat(s_v.reshape(c.kv_heads, 1, c.head_dim), group, 1).reshape(-1)
