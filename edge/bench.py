@@ -128,7 +128,7 @@ def _run_one(engine, it: dict, mode: str, a, rep: int = 0) -> list[dict]:
                      "prefill_ms": 1000 * st.prefill_s, "decode_s": st.decode_s, "decode_tok_s": st.decode_tok_s,
                      "steps": st.steps, "drafted": st.drafted, "accepted": st.accepted,
                      "mean_accepted": st.mean_accepted, "target_s": st.target_s, "draft_s": st.draft_s,
-                     "overhead_ms_per_step": st.overhead_ms_per_step})
+                     "overhead_ms_per_step": st.overhead_ms_per_step, "python_ms_per_step": st.python_ms_per_step})
     return recs
 
 
@@ -142,7 +142,7 @@ def _run_peer(peer: Peer, engine, it: dict, mode: str, a) -> list[dict]:
              "n_gen": n, "prompt_tokens": len(ids), "reused_tokens": 0, "prefill_ms": 1000 * r["prefill_s"],
              "decode_s": dec, "decode_tok_s": (n - 1) / dec if dec > 0 and n > 1 else 0.0,  # as edge's Stats
              "steps": None, "drafted": None, "accepted": None, "mean_accepted": None, "target_s": None,
-             "draft_s": None, "overhead_ms_per_step": None}]
+             "draft_s": None, "overhead_ms_per_step": None, "python_ms_per_step": None}]
 
 
 def _add_learned(total: dict, before: dict, after: dict) -> None:
@@ -184,6 +184,7 @@ def _per_prompt(runs: list[dict]) -> dict[tuple, dict]:
     return {k: {"decode_tok_s": _med((r["decode_tok_s"] for r in rs), 9),
                 "mean_accepted": _med((r["mean_accepted"] for r in rs), 9),
                 "overhead_ms_per_step": _med((r["overhead_ms_per_step"] for r in rs), 9),
+                "python_ms_per_step": _med((r.get("python_ms_per_step") for r in rs), 9),
                 "target_ms_per_step": _med(per_step(rs, "target_s"), 9),
                 "draft_ms_per_step": _med(per_step(rs, "draft_s"), 9),
                 "tokens": rs[0]["tokens"]} for k, rs in cell.items()}
@@ -221,6 +222,7 @@ def summarize(runs: list[dict], modes: list[str], greedy: bool = True) -> dict:
                 "target_ms_per_step": _med((v["target_ms_per_step"] for v in vals), 2),
                 "draft_ms_per_step": _med((v["draft_ms_per_step"] for v in vals), 2),
                 "overhead_ms_per_step": _med((v["overhead_ms_per_step"] for v in vals), 3),
+                "python_ms_per_step": _med((v["python_ms_per_step"] for v in vals), 3),
                 "looping": f"{sum(loops(v['tokens']) for v in vals)}/{len(vals)}",
             }
             if m in PEER_MODES:  # its greedy text differs from ours by its quantization, not by speculation
@@ -259,7 +261,8 @@ def markdown(summary: dict, modes: list[str], peer: dict | None = None) -> str:
     def same(m):
         return f"same as {PEER_REFERENCE[m]}" if m in PEER_REFERENCE else "—" if m in PEER_MODES else "same as none"
 
-    head = "| category | " + " | ".join(f"{m} tok/s (×none, acc/step, {same(m)}, looping)" for m in modes) + " |"
+    head = "| category | " + " | ".join(f"{m} tok/s (×none, acc/step, Python ms/step, {same(m)}, looping)"
+                                     for m in modes) + " |"
     lines = [head, "|" + "---|" * (len(modes) + 1)]
     for c, row in summary.items():
         cells = []
@@ -271,7 +274,8 @@ def markdown(summary: dict, modes: list[str], peer: dict | None = None) -> str:
             kept = v.get("identical_to_none", v.get("identical_to_own_greedy"))
             kept = kept or ("—" if m in PEER_MODES and m not in PEER_REFERENCE else "sampled")
             acc = "—" if v["mean_accepted"] is None else v["mean_accepted"]
-            cells.append(f"{v['decode_tok_s']} (×{v['ratio_vs_none']}, {acc}, {kept}, {v['looping']})")
+            py = "—" if v.get("python_ms_per_step") is None else v["python_ms_per_step"]
+            cells.append(f"{v['decode_tok_s']} (×{v['ratio_vs_none']}, {acc}, {py}, {kept}, {v['looping']})")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     if peer:
         ours = [m for m in modes if m not in PEER_MODES]

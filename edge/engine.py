@@ -117,8 +117,9 @@ class Stats:
     accepted: int = 0  # draft tokens the target accepted
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    target_s: float = 0.0  # time inside target calls during decode
+    target_s: float = 0.0  # time inside target calls during decode (ONNX Runtime and the Python around it)
     draft_s: float = 0.0  # time inside the drafter
+    ort_s: float = 0.0  # time inside ONNX Runtime during decode (target and drafter graphs); the rest is Python
     drafter: str = "none"
 
     @property
@@ -132,12 +133,20 @@ class Stats:
 
     @property
     def overhead_ms_per_step(self) -> float:
+        """The loop's own bookkeeping per step: decode time outside target calls and the drafter."""
         return 1000 * (self.decode_s - self.target_s - self.draft_s) / self.steps if self.steps else 0.0
+
+    @property
+    def python_ms_per_step(self) -> float:
+        """Everything that is not ONNX Runtime per step: feeds and bindings, drafting, verification, Token
+        Recycling's tables, bookkeeping, text decoding."""
+        return 1000 * (self.decode_s - self.ort_s) / self.steps if self.steps else 0.0
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(decode_tok_s=round(self.decode_tok_s, 2), mean_accepted=round(self.mean_accepted, 3),
-                 overhead_ms_per_step=round(self.overhead_ms_per_step, 3))
+                 overhead_ms_per_step=round(self.overhead_ms_per_step, 3),
+                 python_ms_per_step=round(self.python_ms_per_step, 3))
         return d
 
 
@@ -595,12 +604,13 @@ class Engine:
         text, sent, out = "", 0, []
         hold = max((len(s) for s in p.stop), default=1) - 1  # chars held back while a stop string may complete
         t0 = t1 = time.perf_counter()
+        ort1 = self._ort_run_s()
         try:
             logits = self._prefill(ids, st)
             first = int(np.argmax(logits)) if p.temperature == 0 else \
                 sample_from(process_logits(logits, p.temperature, p.top_k, p.top_p), rng)
             st.prefill_s = time.perf_counter() - t0
-            t1 = time.perf_counter()
+            t1, ort1 = time.perf_counter(), self._ort_run_s()
             drafter.begin(ids + [first])
             new, n_drafted, root = [first], 0, first
             while True:
@@ -623,7 +633,7 @@ class Engine:
                 if finish is not None:
                     if cut < 0:
                         text += dec.flush()
-                    st.decode_s = time.perf_counter() - t1
+                    st.decode_s, st.ort_s = time.perf_counter() - t1, self._ort_run_s() - ort1
                     yield Chunk(text[sent:], new, n_drafted, finish)
                     return
                 safe = max(sent, len(text) - hold) if p.stop else len(text)  # never a negative slice end
@@ -668,10 +678,15 @@ class Engine:
                 drafter.accept(new)
                 root = nxt
         finally:
-            st.decode_s = st.decode_s or time.perf_counter() - t1
+            if not st.decode_s:
+                st.decode_s, st.ort_s = time.perf_counter() - t1, self._ort_run_s() - ort1
             self._rewind_to(len(ids) + len(out) - 1 if out else len(ids))  # an interrupted prefill keeps its part
             if isinstance(drafter, ModelDrafter):
                 self._drafter_cached = drafter.cached
+
+    def _ort_run_s(self) -> float:
+        """Seconds spent inside ONNX Runtime so far by the target and the drafter session."""
+        return self.target.run_s + (self._drafter_sess.run_s if self._drafter_sess is not None else 0.0)
 
     # ------------------------------------------------------------------ public API
     def stream(self, prompt_or_messages, raw: bool = False, **kw) -> Iterator[Chunk]:

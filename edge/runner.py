@@ -5,6 +5,8 @@ as both past and present, so ONNX Runtime writes new K/V in place and nothing of
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from kernels.postprocess import GREEDY_K, HEAD_INPUTS
@@ -34,6 +36,7 @@ class GraphSession:
     # a token's logits do not depend on the call's width (pad query row, export/graph.py; asserted by
     # tests/test_export_graph.py and the slow real-model test), so chains are exact
     chains_exact = True
+    run_s = 0.0  # seconds inside ONNX Runtime over this session's life (the engine's Stats.ort_s reads it)
 
     def __init__(self, path: str, manifest: Manifest, graph: GraphEntry, capacity: int, threads: int = 2,
                  providers=("CPUExecutionProvider",), max_call: int = 256):
@@ -163,7 +166,9 @@ class GraphSession:
                 b.bind_ortvalue_output("top_probs", self.ort.OrtValue.ortvalue_from_numpy(probs))
                 if sample is not None:
                     self.top_probs = probs[0]
+        t0 = time.perf_counter()
         self.sess.run_with_iobinding(b)
+        self.run_s += time.perf_counter() - t0
         return out[0] if want else None
 
     def _probe_tree_exact(self, tol: float = 1e-3) -> bool:
@@ -255,6 +260,8 @@ class OptimumSession:
     each call copies the committed prefix out as contiguous past arrays and the S new slots back in — one copy
     of the cache per call, which the fast path avoids and this general path accepts."""
 
+    run_s = 0.0  # seconds inside ONNX Runtime (`GraphSession.run_s`); the K/V copies around it count as Python
+
     topk = 8
     tree_exact = False
     head = False  # no on-graph head: sampling processes the logits
@@ -314,7 +321,9 @@ class OptimumSession:
         for i in range(self.layers):
             for j, kind in enumerate(("key", "value")):
                 feeds[f"past_key_values.{i}.{kind}"] = np.ascontiguousarray(self.cache.layer(i, j)[:, :, :L])
+        t0 = time.perf_counter()
         out = self.sess.run(self._names, feeds)
+        self.run_s += time.perf_counter() - t0
         for i in range(self.layers):
             for j in range(2):
                 self.cache.layer(i, j)[:, :, L : L + s] = out[1 + 2 * i + j][:, :, L : L + s]

@@ -125,6 +125,9 @@ def test_bench_writes_json_and_markdown(model, tmp_path):
     for cat in doc["summary"].values():
         assert cat["none"]["ratio_vs_none"] == 1.0
         assert cat["lookup"]["identical_to_none"] == "1/1" and cat["recycling"]["identical_to_none"] == "1/1"
+    for run in doc["runs"]:  # Python per step: at least the loop's own bookkeeping, less than the whole step
+        assert run["overhead_ms_per_step"] <= run["python_ms_per_step"] < 1000 * run["decode_s"] / run["steps"]
+    assert "Python ms/step" in out.with_suffix(".md").read_text()
     assert out.with_suffix(".md").read_text().startswith("| category |")
 
 

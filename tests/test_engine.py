@@ -40,6 +40,17 @@ def test_drafters_actually_draft(engine, drafter):
     assert r.stats.drafted > 0 and r.stats.steps < r.stats.generated
 
 
+@pytest.mark.parametrize("drafter", ["none", "hybrid", "model"])
+def test_time_inside_onnx_runtime_is_counted_apart_from_python(engine, drafter):
+    """Stats.ort_s is decode time inside ONNX Runtime (target and drafter graphs), so Python per step is the rest:
+    never below the loop's own bookkeeping, never the whole step; prefill time is not in it."""
+    r = engine.generate(PROMPTS[2] * 8, max_tokens=24, drafter=drafter)
+    st = r.stats
+    assert st.steps > 0 and 0 < st.ort_s <= st.target_s + st.draft_s + 1e-9
+    assert st.overhead_ms_per_step <= st.python_ms_per_step < 1000 * st.decode_s / st.steps
+    assert r.stats.to_dict()["python_ms_per_step"] == round(st.python_ms_per_step, 3)
+
+
 def test_logits_do_not_depend_on_call_length(engine):
     """The property losslessness rests on: a token's logits are the same alone or inside a longer verify call."""
     engine.reset()
