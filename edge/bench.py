@@ -393,12 +393,12 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
                     for rec in recs:
                         rec["rep"] = rep
                         runs.append(rec)
-                    if m not in PEER_MODES:  # what this prompt taught edgespec's drafters (the peer teaches nothing)
-                        after = after or engine.drafter_state()
+                    if m not in PEER_MODES and m != "none":  # what this prompt taught the drafters (plain
+                        after = after or engine.drafter_state()  # decoding and the peer teach them nothing)
                     _add_learned(learned, tested, engine.token_acceptance.tested())
                     if bar:
                         bar.update(1)
-            engine.set_drafter_state(after)
+            engine.set_drafter_state(after or before)
     except KeyboardInterrupt:
         print("edge-bench: interrupted; summarizing what ran", file=sys.stderr)
     except PeerError as e:  # what ran is kept, and the exit code says the run is incomplete

@@ -540,10 +540,11 @@ class Engine:
             P[~exact] = process_logits(logits[~exact], p.temperature, p.top_k, p.top_p)
         return P
 
-    def _verify(self, root: int, d: Draft, p: GenerationParams, rng, before: int | None = None
+    def _verify(self, root: int, d: Draft, p: GenerationParams, rng, before: int | None = None, learn: bool = True
                 ) -> tuple[list[int], list[int] | None, int]:
         """One target call over [root] + draft → (committed tokens, tree path or None, next token); `before` is the
-        committed token before the root (for Token Recycling's two-token successors)."""
+        committed token before the root (for Token Recycling's two-token successors); `learn`: feed the call's
+        candidates to Token Recycling (not in plain decoding, which keeps its steps free of drafting work)."""
         tokens = np.concatenate([[root], d.tokens]).astype(np.int64)
         L = self.target.cache.length
         greedy = p.temperature == 0
@@ -559,7 +560,7 @@ class Engine:
             logits = self.target.forward(tokens, layout.position_ids(L), layout.attention_bias(L), logits=need_logits,
                                          sample=sample)
         top = self.target.top_ids
-        if top is not None:
+        if top is not None and learn:
             self.recycling.observe(tokens, top, None if layout is None else layout.parents, before)
         argmax = (top[:, 0] if logits is None else logits.argmax(-1)) if greedy else None
         if layout is None:
@@ -655,7 +656,8 @@ class Engine:
                 if kind == "model" and len(d):
                     self._draft_ms = 0.8 * self._draft_ms + 200 * (time.perf_counter() - ts) / len(d)
                 ts = time.perf_counter()
-                committed, path, nxt = self._verify(root, d, p, rng, out[-2] if len(out) >= 2 else ids[-1])
+                committed, path, nxt = self._verify(root, d, p, rng, out[-2] if len(out) >= 2 else ids[-1],
+                                                    learn=kind != "none")
                 dt = time.perf_counter() - ts
                 st.target_s += dt
                 width = max(len(d) + 1, self.target.min_call)

@@ -51,6 +51,15 @@ def test_time_inside_onnx_runtime_is_counted_apart_from_python(engine, drafter):
     assert r.stats.to_dict()["python_ms_per_step"] == round(st.python_ms_per_step, 3)
 
 
+def test_plain_decoding_leaves_token_recycling_alone(engine):
+    """Plain decoding is the reference and does no drafting work: its steps do not feed Token Recycling."""
+    before = engine.recycling.adj.copy(), engine.recycling.pair_key.copy()
+    engine.generate(PROMPTS[1], max_tokens=12, drafter="none")
+    assert np.array_equal(engine.recycling.adj, before[0]) and np.array_equal(engine.recycling.pair_key, before[1])
+    engine.generate(PROMPTS[1], max_tokens=12, drafter="hybrid")
+    assert not np.array_equal(engine.recycling.adj, before[0])
+
+
 def test_logits_do_not_depend_on_call_length(engine):
     """The property losslessness rests on: a token's logits are the same alone or inside a longer verify call."""
     engine.reset()
