@@ -289,15 +289,16 @@ class RecyclingDrafter:
     def nbytes(self) -> int:
         return self.adj.nbytes + self.seen.nbytes + self.pair_key.nbytes + self.pair_next.nbytes
 
-    def _slots(self, keys: np.ndarray) -> np.ndarray:
-        """Fibonacci hashing of pair keys onto PAIR_SLOTS (uint64 products wrap, as intended)."""
-        hashed = np.asarray(keys, np.uint64) * np.uint64(self._HASH_MUL)
-        return (hashed >> np.uint64(self._HASH_SHIFT)).astype(np.int64)
+    def _slot(self, key: int) -> int:
+        """Fibonacci hashing of a pair key onto PAIR_SLOTS: the top bits of key · 2^64/φ (mod 2^64). Plain Python:
+        the table is read and written a few keys at a time, right after ONNX Runtime calls that leave every cache
+        cold, where each numpy dispatch costs tens of µs."""
+        return ((key * self._HASH_MUL) & 0xFFFFFFFFFFFFFFFF) >> self._HASH_SHIFT
 
     def pair_successor(self, prev: int, tok: int) -> int | None:
         """The target's top candidate after (prev, tok) the last time that pair was verified, if still cached."""
         key = prev * self.vocab + tok
-        slot = ((key * self._HASH_MUL) & 0xFFFFFFFFFFFFFFFF) >> self._HASH_SHIFT  # `_slots` for one key, no numpy
+        slot = self._slot(key)
         return int(self.pair_next[slot]) if int(self.pair_key[slot]) == key else None
 
     def rank_prior(self) -> np.ndarray:
@@ -318,19 +319,19 @@ class RecyclingDrafter:
         """tokens [S] of a verify call (tokens[0] = the root), top_ids [S, >=k] the target's candidates after each;
         parents [S] (parents[0] = -1) when the call was a tree, None for a chain; `before`: the committed token
         before the root (default: the one this drafter tracked, which is only current while it is drafting)."""
-        t = np.asarray(tokens, np.int64)
+        t = [int(x) for x in tokens]
         top = np.asarray(top_ids)
         self.adj[t] = top[:, : self.k]
         self.seen[t] = True
         before = self.prev if before is None else before
         if before is None:
             return
-        prevs = t[np.maximum(np.asarray(parents, np.int64), 0)] if parents is not None else np.roll(t, 1)
-        prevs[0] = before
-        keys = prevs.astype(np.uint64) * np.uint64(self.vocab) + t.astype(np.uint64)
-        slots = self._slots(keys)
-        self.pair_key[slots] = keys
-        self.pair_next[slots] = top[:, 0]
+        prevs = [before] + (t[:-1] if parents is None else [t[q] for q in list(parents)[1:]])
+        for prev, tok, nxt in zip(prevs, t, top[:, 0].tolist()):
+            key = prev * self.vocab + tok
+            slot = self._slot(key)
+            self.pair_key[slot] = key
+            self.pair_next[slot] = nxt
 
     def _chain(self, budget: int) -> Draft:
         toks, labels = [], []

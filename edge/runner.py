@@ -32,6 +32,9 @@ def session_options(threads: int):
     return so
 
 
+SMALL_CALL = 64  # calls up to this width (decode, verify) reuse their input buffers and output bindings
+
+
 class GraphSession:
     # a token's logits do not depend on the call's width (pad query row, export/graph.py; asserted by
     # tests/test_export_graph.py and the slow real-model test), so chains are exact
@@ -53,7 +56,8 @@ class GraphSession:
         self.max_call = max_call
         self._zeros = np.zeros(capacity + max_call, np.float32)  # bias row for a single query: sees everything
         self._tri = np.where(np.tril(np.ones((max_call, max_call), bool)), 0, NEG).astype(np.float32)
-        self._logits = np.zeros((1, 1, graph.vocab), np.float32)  # grown on demand to the widest call seen
+        self._logits = np.zeros(graph.vocab, np.float32)  # flat, grown on demand to the widest call seen
+        self._arange = np.arange(SMALL_CALL, dtype=np.int64)
         self._keep = np.zeros(1, np.int64)
         outs = {o.name: o for o in self.sess.get_outputs()}
         # the on-graph head (kernels/postprocess.py) takes k and the temperature per call; graphs before it (export
@@ -73,7 +77,13 @@ class GraphSession:
         self.min_call = 1
         self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.cache.layer(i, j))
                            for i in range(graph.layers) for j in range(2)]  # kept alive: bindings hold pointers
-        # two bindings with the KV cache bound once each: with logits, and (on-graph TopK) with top ids only
+        # two bindings with the KV cache bound once each: with logits, and (on-graph TopK) with top ids only.
+        # Bindings persist across runs, so every other input and output is rebound only when the array behind it
+        # changes (`_bind`): decode-sized calls reuse one ids/positions buffer per width and one output view per
+        # shape, written in place. Right after a run every cache is cold and each binding costs tens of µs.
+        self._bound: dict[tuple[int, str], np.ndarray] = {}  # (binding, name) -> the array bound there
+        self._small: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # width -> (input_ids, position_ids) buffers
+        self._views: dict[tuple, np.ndarray] = {}  # (output, rows, k) -> view of its buffer
         self._bind_full = self._new_binding()
         self._bind_top = self._new_binding() if self.topk else self._bind_full
         self.min_call = self._probe_min_call()
@@ -88,6 +98,24 @@ class GraphSession:
                 b.bind_ortvalue_input(f"past_key_values.{i}.{kind}", self._kv_values[2 * i + j])
                 b.bind_ortvalue_output(f"present.{i}.{kind}", self._kv_values[2 * i + j])
         return b
+
+    def _bind(self, b, name: str, arr: np.ndarray, output: bool = False) -> None:
+        """Bind `arr` to input or output `name` of binding `b`, unless that very array is bound there already."""
+        key = (id(b), name)
+        if self._bound.get(key) is arr:
+            return
+        if output:
+            b.bind_ortvalue_output(name, self.ort.OrtValue.ortvalue_from_numpy(arr))
+        else:
+            b.bind_cpu_input(name, arr)
+        self._bound[key] = arr  # also keeps it alive while bound
+
+    def _view(self, name: str, buf: np.ndarray, r: int, k: int) -> np.ndarray:
+        """The [1, r, k] view of flat output buffer `buf`, one object per shape (so `_bind` can skip rebinding)."""
+        v = self._views.get((name, r, k))
+        if v is None or v.base is not buf:
+            v = self._views[(name, r, k)] = buf[: r * k].reshape(1, r, k)
+        return v
 
     def _probe_min_call(self) -> int:
         """Lossless speculation needs a token's logits not to depend on how many tokens share its call.
@@ -123,8 +151,19 @@ class GraphSession:
         if s > self.max_call and keep == 0:
             raise ValueError(f"{s} tokens in one call with all logits kept (max {self.max_call})")
         self.cache.check_room(s)
-        if positions is None:
-            positions = np.arange(self.cache.length, self.cache.length + s, dtype=np.int64)
+        L = self.cache.length
+        if s <= SMALL_CALL:  # decode and verify widths: fixed buffers, filled in place
+            if s not in self._small:
+                self._small[s] = (np.zeros((1, s), np.int64), np.zeros((1, s), np.int64))
+            ids_buf, pos_buf = self._small[s]
+            ids_buf[0] = ids[0]
+            if positions is None:
+                pos_buf[0] = self._arange[:s] + L
+            else:
+                pos_buf[0] = np.asarray(positions, np.int64).reshape(-1)
+            ids, positions = ids_buf, pos_buf
+        elif positions is None:
+            positions = np.arange(L, L + s, dtype=np.int64)
         if bias is None:
             bias = self.causal_bias(s)
         assert bias.shape == (1, 1, s, self.cache.length + s), (bias.shape, s, self.cache.length)
@@ -133,23 +172,23 @@ class GraphSession:
         sample = sample if self.head else None
         want = logits or not self.topk
         b = self._bind_full if want else self._bind_top
-        b.bind_cpu_input("input_ids", ids)
-        b.bind_cpu_input("position_ids", np.asarray(positions, np.int64).reshape(1, -1))
-        b.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))
-        b.bind_cpu_input("logits_keep", self._keep)
+        self._bind(b, "input_ids", ids)
+        self._bind(b, "position_ids", np.asarray(positions, np.int64).reshape(1, -1))
+        b.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))  # its shape changes every call
+        self._bind(b, "logits_keep", self._keep)
         out = None
         if want:
-            if r > self._logits.shape[1]:
-                self._logits = np.zeros((1, r, self.vocab), np.float32)
-            out = self._logits[:, :r]
-            b.bind_ortvalue_output("logits", self.ort.OrtValue.ortvalue_from_numpy(out))
+            if r * self.vocab > self._logits.size:
+                self._logits = np.zeros(r * self.vocab, np.float32)
+            out = self._view("logits", self._logits, r, self.vocab)
+            self._bind(b, "logits", out, output=True)
         self.top_probs = None
         if self.topk:
             k = self.topk if sample is None else min(max(int(sample[1]), self.topk), self.vocab)
             if r * k > self._top.size:
                 self._top = np.zeros(r * k, np.int64)
-            top = self._top[: r * k].reshape(1, r, k)
-            b.bind_ortvalue_output("top_ids", self.ort.OrtValue.ortvalue_from_numpy(top))
+            top = self._view("top_ids", self._top, r, k)
+            self._bind(b, "top_ids", top, output=True)
             self.top_ids = top[0]
             if self.head:
                 self._head_k[0] = k
@@ -158,12 +197,12 @@ class GraphSession:
                 # representable one, whose softmax is the same limit process_logits computes
                 self._temperature[0] = 1.0 if sample is None else min(max(sample[0], F32_TINY), F32_MAX)
                 for name, arr in zip(HEAD_INPUTS, (self._head_k, self._temperature, self._sampling)):
-                    b.bind_cpu_input(name, arr)
-                # bound on every call: a binding left from an earlier call would have the wrong shape
+                    self._bind(b, name, arr)
+                # bound for every call's shape: a binding left from an earlier call would have the wrong one
                 if r * k > self._top_probs.size:
                     self._top_probs = np.zeros(r * k, np.float32)
-                probs = self._top_probs[: r * k].reshape(1, r, k)
-                b.bind_ortvalue_output("top_probs", self.ort.OrtValue.ortvalue_from_numpy(probs))
+                probs = self._view("top_probs", self._top_probs, r, k)
+                self._bind(b, "top_probs", probs, output=True)
                 if sample is not None:
                     self.top_probs = probs[0]
         t0 = time.perf_counter()

@@ -302,9 +302,9 @@ class TokenAcceptance:
                 return self.priors[key]
         return self.default
 
-    def probs(self, labels: Sequence[str]) -> np.ndarray:
+    def probs(self, labels: Sequence[str]) -> list[float]:
         """[N] conditional acceptance of each token given all before it were accepted."""
-        return np.array([self.rate.get(x, self._prior(x)) for x in labels], np.float64)
+        return [self.rate.get(x, self._prior(x)) for x in labels]
 
     def update(self, labels: Sequence[str], accepted: int) -> None:
         """One verified chain: the first `accepted` tokens were accepted, the next one (if any) rejected; tokens

@@ -528,16 +528,17 @@ def min_budget_speculative(manifest, context: int, stats=None, profile=None, **k
     return min(faster) if faster else None
 
 
-def _best_k(expected: np.ndarray, verify_ms, draft_ms_per_token: float, min_call: int) -> tuple[int, float]:
-    """expected[K-1] = E[accepted | K drafted]: the K (0 = do not draft) with the most tokens per ms."""
+def _best_k(expected, verify_ms, draft_ms_per_token: float, min_call: int) -> tuple[int, float]:
+    """expected[K-1] = E[accepted | K drafted]: the K (0 = do not draft) with the most tokens per ms. A loop over
+    at most a few dozen K in plain Python: it runs every decode step, between ONNX Runtime calls that leave every
+    cache cold, where numpy's per-call dispatch costs more than the arithmetic."""
     plain = 1.0 / verify_ms(max(1, min_call))
-    if len(expected) == 0:
-        return 0, plain
-    ks = np.arange(1, len(expected) + 1)
-    cost = ks * draft_ms_per_token + np.array([verify_ms(max(k + 1, min_call)) for k in ks])
-    rates = (1.0 + expected) / cost
-    best = int(np.argmax(rates))
-    return (best + 1, float(rates[best])) if rates[best] > plain else (0, plain)
+    best, best_rate = 0, plain
+    for k, e in enumerate(expected.tolist() if isinstance(expected, np.ndarray) else expected, 1):
+        rate = (1.0 + e) / (k * draft_ms_per_token + verify_ms(max(k + 1, min_call)))
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best, best_rate
 
 
 def best_chain(stats: AcceptanceStats, verify_ms, draft_ms_per_token: float = 0.0, max_k: int = MAX_CHAIN,
@@ -556,7 +557,12 @@ def best_chain(stats: AcceptanceStats, verify_ms, draft_ms_per_token: float = 0.
 def best_prefix(token_probs, verify_ms, min_call: int = 1) -> tuple[int, float]:
     """`best_chain` for a drafted chain whose tokens each carry their own conditional acceptance probability
     (`memory.acceptance.TokenAcceptance`): E[accepted | K] = sum_{k<=K} prod_{j<=k} p_j."""
-    return _best_k(np.cumsum(np.cumprod(np.asarray(token_probs, np.float64))), verify_ms, 0.0, min_call)
+    expected, run, total = [], 1.0, 0.0
+    for p in token_probs:  # cumulative sums of cumulative products, as np.cumsum(np.cumprod(...)) in float64
+        run *= float(p)
+        total += run
+        expected.append(total)
+    return _best_k(expected, verify_ms, 0.0, min_call)
 
 
 def best_chain_length(stats: AcceptanceStats, verify_ms, draft_ms_per_token: float = 0.0, max_k: int = MAX_CHAIN,

@@ -138,7 +138,7 @@ def test_token_acceptance_updates_the_tested_tokens_only():
     from memory.acceptance import TokenAcceptance
 
     t = TokenAcceptance({"lookup": 0.3, "recycling": 0.4}, beta=0.1, prior_weight=4.0)
-    assert t.probs(["lookup:2@1", "recycling:b@2+", "other@1"]).tolist() == [0.3, 0.4, 0.3]  # family priors
+    assert t.probs(["lookup:2@1", "recycling:b@2+", "other@1"]) == [0.3, 0.4, 0.3]  # family priors
     t.update(["a@1", "b@2+", "b@2+", "c@2+"], 2)
     # a: hit, weight max(0.1, 1/4) → 0.3 + 0.25·0.7; b: first a hit (0.475), then a miss with weight 1/5
     assert t.probs(["a@1"])[0] == pytest.approx(0.475)
@@ -158,7 +158,7 @@ def test_token_acceptance_label_priors_and_lifetime_summary():
     from memory.acceptance import TokenAcceptance
 
     t = TokenAcceptance({"lookup": 0.3, "lookup:32@2+/agree": 0.9, "lookup:32@2+": 0.8}, beta=0.5, prior_weight=1.0)
-    got = t.probs(["lookup:32@2+/agree", "lookup:32@2+/split", "lookup:32@1/agree"]).tolist()
+    got = t.probs(["lookup:32@2+/agree", "lookup:32@2+/split", "lookup:32@1/agree"])
     assert got == [0.9, 0.8, 0.3]  # own prior, then the label without its agreement suffix, then the family's
     for accepted in (1, 1, 1, 0):
         t.update(["x@1"], accepted)
