@@ -173,7 +173,7 @@ class GraphSession:
         want = logits or not self.topk
         b = self._bind_full if want else self._bind_top
         self._bind(b, "input_ids", ids)
-        self._bind(b, "position_ids", np.asarray(positions, np.int64).reshape(1, -1))
+        self._bind(b, "position_ids", positions if s <= SMALL_CALL else np.asarray(positions, np.int64).reshape(1, -1))
         b.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))  # its shape changes every call
         self._bind(b, "logits_keep", self._keep)
         out = None
