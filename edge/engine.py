@@ -225,7 +225,8 @@ class Engine:
         self.cached: list[int] = []
         self.last_stats: Stats | None = None  # the counters of the latest request, once one has run
         self.lookup = LookupDrafter()
-        # fed by every target call; persists across turns. Trees only where the graph verifies them exactly.
+        # fed by every speculative target call (not plain decoding); persists across turns. Trees only where the graph
+        # verifies them exactly.
         self.recycling = RecyclingDrafter(m.arch["vocab"], chains_only=not self.target.tree_exact)
         self._drafter_sess = None
         self._drafter_graph = None  # which drafter graph the session runs
