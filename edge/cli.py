@@ -120,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt", help="answer this one prompt and exit (no REPL)")
     ap.add_argument("--json", action="store_true",
                     help="with --prompt: print one JSON object (text, token ids, prefill ms, decode tokens/s, "
-                         "drafted/accepted, mean accepted length, peak RSS)")
+                         "drafted/accepted, mean accepted length, Python ms per step, peak RSS)")
     return ap
 
 
@@ -139,8 +139,8 @@ def _result_json(r, st) -> dict:
     return {"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason,
             "prefill_ms": round(1000 * st.prefill_s, 2), "decode_tok_s": round(st.decode_tok_s, 2),
             "drafter": st.drafter, "drafted": st.drafted, "accepted": st.accepted, "steps": st.steps,
-            "mean_accepted_len": round(st.mean_accepted, 3), "prompt_tokens": st.prompt_tokens,
-            "peak_rss_mb": round(peak_rss_mb(), 1)}
+            "mean_accepted_len": round(st.mean_accepted, 3), "python_ms_per_step": round(st.python_ms_per_step, 3),
+            "prompt_tokens": st.prompt_tokens, "peak_rss_mb": round(peak_rss_mb(), 1)}
 
 
 def _stats_info(engine, last) -> dict:

@@ -35,6 +35,7 @@ def test_chat_prompt_json(model):
                 "peak_rss_mb"):
         assert key in out
     assert 0 < len(out["token_ids"]) <= 12 and out["peak_rss_mb"] > 10
+    assert out["python_ms_per_step"] > 0  # a share of decoding (Stats.python_ms_per_step)
 
 
 def test_chat_repl_commands(model):
