@@ -323,7 +323,7 @@ class RecyclingDrafter:
         top = np.asarray(top_ids)
         self.adj[t] = top[:, : self.k]
         self.seen[t] = True
-        before = self.prev if before is None else before
+        before = self.prev if before is None else int(before)
         if before is None:
             return
         prevs = [before] + (t[:-1] if parents is None else [t[q] for q in list(parents)[1:]])

@@ -613,7 +613,8 @@ class Engine:
                 sample_from(process_logits(logits, p.temperature, p.top_k, p.top_p), rng)
             st.prefill_s = time.perf_counter() - t0
             t1, ort1 = time.perf_counter(), self._ort_run_s()
-            drafter.begin(ids + [first])
+            drafter.begin(ids + [first])  # a model drafter prefills its own cache here: drafter time
+            st.draft_s += time.perf_counter() - t1
             new, n_drafted, root = [first], 0, first
             while True:
                 # ---- emit what the last step produced (EOS, limits, stop strings)

@@ -82,6 +82,9 @@ class GraphSession:
         # changes (`_bind`): decode-sized calls reuse one ids/positions buffer per width and one output view per
         # shape, written in place. Right after a run every cache is cold and each binding costs tens of µs.
         self._bound: dict[tuple[int, str], np.ndarray] = {}  # (binding, name) -> the array bound there
+        # only on the CPU provider is a bound input read from its array at run time; other providers copy it to the
+        # device when it is bound, so there every input is bound on every call
+        self._reuse = all(p == "CPUExecutionProvider" for p in self.sess.get_providers())
         self._small: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # width -> (input_ids, position_ids) buffers
         self._views: dict[tuple, np.ndarray] = {}  # (output, rows, k) -> view of its buffer
         self._bind_full = self._new_binding()
@@ -102,7 +105,7 @@ class GraphSession:
     def _bind(self, b, name: str, arr: np.ndarray, output: bool = False) -> None:
         """Bind `arr` to input or output `name` of binding `b`, unless that very array is bound there already."""
         key = (id(b), name)
-        if self._bound.get(key) is arr:
+        if self._reuse and self._bound.get(key) is arr:
             return
         if output:
             b.bind_ortvalue_output(name, self.ort.OrtValue.ortvalue_from_numpy(arr))
@@ -111,9 +114,12 @@ class GraphSession:
         self._bound[key] = arr  # also keeps it alive while bound
 
     def _view(self, name: str, buf: np.ndarray, r: int, k: int) -> np.ndarray:
-        """The [1, r, k] view of flat output buffer `buf`, one object per shape (so `_bind` can skip rebinding)."""
+        """The [1, r, k] view of flat output buffer `buf`, one object per shape (so `_bind` can skip rebinding).
+        Views of a buffer that has since been replaced by a larger one are dropped, not kept alive."""
         v = self._views.get((name, r, k))
         if v is None or v.base is not buf:
+            for key in [key for key, x in self._views.items() if key[0] == name and x.base is not buf]:
+                del self._views[key]
             v = self._views[(name, r, k)] = buf[: r * k].reshape(1, r, k)
         return v
 
@@ -206,8 +212,10 @@ class GraphSession:
                 if sample is not None:
                     self.top_probs = probs[0]
         t0 = time.perf_counter()
-        self.sess.run_with_iobinding(b)
-        self.run_s += time.perf_counter() - t0
+        try:
+            self.sess.run_with_iobinding(b)
+        finally:  # an interrupted call counts too
+            self.run_s += time.perf_counter() - t0
         return out[0] if want else None
 
     def _probe_tree_exact(self, tol: float = 1e-3) -> bool:
@@ -361,8 +369,10 @@ class OptimumSession:
             for j, kind in enumerate(("key", "value")):
                 feeds[f"past_key_values.{i}.{kind}"] = np.ascontiguousarray(self.cache.layer(i, j)[:, :, :L])
         t0 = time.perf_counter()
-        out = self.sess.run(self._names, feeds)
-        self.run_s += time.perf_counter() - t0
+        try:
+            out = self.sess.run(self._names, feeds)
+        finally:
+            self.run_s += time.perf_counter() - t0
         for i in range(self.layers):
             for j in range(2):
                 self.cache.layer(i, j)[:, :, L : L + s] = out[1 + 2 * i + j][:, :, L : L + s]

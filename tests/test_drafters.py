@@ -179,6 +179,20 @@ def test_recycling_pair_table_is_bounded_and_evicts_without_lying():
     assert big.pair_successor(262142, 262143) == 7
 
 
+def test_recycling_pair_slot_is_fibonacci_hashing():
+    """`_slot` is the top log2(PAIR_SLOTS) bits of key · 0x9E3779B97F4A7C15 mod 2^64 (reference: numpy's wrapping uint64
+    product), for 32-bit keys and for the 64-bit keys of a 262,144-token vocabulary."""
+    rng = np.random.default_rng(1)
+    for vocab in (49152, 262144):
+        d = RecyclingDrafter(vocab, k=2)
+        keys = np.concatenate([rng.integers(0, vocab * vocab, 2000, dtype=np.uint64),
+                               np.array([0, 1, vocab * vocab - 1], np.uint64)])
+        with np.errstate(over="ignore"):
+            ref = (keys * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - (d.PAIR_SLOTS.bit_length() - 1))
+        assert [d._slot(k) for k in keys.tolist()] == ref.tolist()
+        assert int(ref.max()) < d.PAIR_SLOTS and len(set(ref.tolist())) > 1900  # spread over the table
+
+
 def test_recycling_pair_table_reads_back_what_observe_wrote():
     d = RecyclingDrafter(49152, k=2)
     rng = np.random.default_rng(0)

@@ -35,7 +35,7 @@ def test_greedy_speculative_equals_plain(engine, drafter, draft_len):
 
 @pytest.mark.parametrize("drafter", ["model", "recycling", "hybrid"])
 def test_drafters_actually_draft(engine, drafter):
-    engine.generate(PROMPTS[0], max_tokens=40, drafter="none")  # warms Token Recycling's matrix
+    engine.generate(PROMPTS[0], max_tokens=40, drafter="recycling")  # warms Token Recycling's matrix
     r = engine.generate(PROMPTS[0], max_tokens=40, drafter=drafter, draft_len=4)
     assert r.stats.drafted > 0 and r.stats.steps < r.stats.generated
 
@@ -49,6 +49,19 @@ def test_time_inside_onnx_runtime_is_counted_apart_from_python(engine, drafter):
     assert st.steps > 0 and 0 < st.ort_s <= st.target_s + st.draft_s + 1e-9
     assert st.overhead_ms_per_step <= st.python_ms_per_step < 1000 * st.decode_s / st.steps
     assert r.stats.to_dict()["python_ms_per_step"] == round(st.python_ms_per_step, 3)
+
+
+def test_output_views_follow_their_buffers(engine):
+    """Calls reuse one output view per shape; when a wider call replaces a buffer, views of the old one are dropped
+    (not kept alive), and the rows read back are the new call's."""
+    g = engine.target
+    wide = g._logits.size // g.vocab + 1  # wider than any call so far: the buffers grow twice below
+    for s in (1, wide, 2, wide + 2, 3):
+        rows = g.forward(list(range(7, 7 + s)), logits=True)
+        assert rows.shape == (s, g.vocab) and np.shares_memory(rows, g._logits)
+        assert all(v.base is g._logits for key, v in g._views.items() if key[0] == "logits")
+        assert all(v.base is g._top for key, v in g._views.items() if key[0] == "top_ids")
+    np.testing.assert_array_equal(g.top_ids[:, 0], rows.argmax(-1))
 
 
 def test_plain_decoding_leaves_token_recycling_alone(engine):
@@ -214,7 +227,7 @@ def test_speculative_sampling_draws_the_targets_distribution(engine, drafter):
     must be both accepted and rejected, or the test would not exercise the rule."""
     sampling = dict(temperature=1.5, top_k=4)
     dist = _exact_first_tokens(engine, PROMPTS[2], 3, **sampling)  # from the full logits (process_logits)
-    engine.generate(PROMPTS[2], max_tokens=40, drafter="none")  # warms Token Recycling's matrix
+    engine.generate(PROMPTS[2], max_tokens=40, drafter="recycling")  # warms Token Recycling's matrix
     hits = engine.head_hits
     counts, drafted, accepted = _speculative_first_tokens(engine, PROMPTS[2], 2000, drafter, **sampling)
     assert engine.head_hits > hits  # verification read p from the on-graph head's top 4
