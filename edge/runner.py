@@ -168,8 +168,9 @@ class GraphSession:
             else:
                 pos_buf[0] = np.asarray(positions, np.int64).reshape(-1)
             ids, positions = ids_buf, pos_buf
-        elif positions is None:
-            positions = np.arange(L, L + s, dtype=np.int64)
+        else:
+            positions = (np.arange(L, L + s, dtype=np.int64) if positions is None
+                         else np.asarray(positions, np.int64)).reshape(1, -1)
         if bias is None:
             bias = self.causal_bias(s)
         assert bias.shape == (1, 1, s, self.cache.length + s), (bias.shape, s, self.cache.length)
@@ -179,7 +180,7 @@ class GraphSession:
         want = logits or not self.topk
         b = self._bind_full if want else self._bind_top
         self._bind(b, "input_ids", ids)
-        self._bind(b, "position_ids", positions if s <= SMALL_CALL else np.asarray(positions, np.int64).reshape(1, -1))
+        self._bind(b, "position_ids", positions)
         b.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))  # its shape changes every call
         self._bind(b, "logits_keep", self._keep)
         out = None
