@@ -10,12 +10,16 @@ vocabulary), or None for deterministic drafters (lookup), which verification the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from kernels.sampling import process_logits, sample_from
 from memory.footprint import RECYCLING_PAIR_SLOTS, recycling_id_bytes, recycling_pair_key_bytes
+
+
+_CHAIN_PARENTS = np.arange(256, dtype=np.int64)
+_CHAIN_PARENTS.flags.writeable = False  # shared by every chain's `parents` (read-only views)
 
 
 @dataclass
@@ -29,15 +33,20 @@ class Draft:
     # per token, what found it (chains from free drafters: "lookup:3", "recycling:b" / "recycling:u"); the engine
     # prices each token by its label's acceptance (memory.acceptance.TokenAcceptance). None: the source for all
     labels: tuple[str, ...] | None = None
+    # set by `chain` (and `empty`): known to be a chain without comparing parents (a draft is built every step, right
+    # after an ONNX Runtime call, when every numpy call is slow)
+    known_chain: bool = field(default=False, repr=False, compare=False)
 
     @classmethod
     def empty(cls) -> "Draft":
-        return cls(np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return cls.chain(())
 
     @classmethod
     def chain(cls, tokens, q=None, source: str = "", labels=None) -> "Draft":
         t = np.asarray(tokens, np.int64)
-        return cls(t, np.arange(len(t), dtype=np.int64), q, source, None if labels is None else tuple(labels))
+        n = len(t)
+        parents = _CHAIN_PARENTS[:n] if n <= len(_CHAIN_PARENTS) else np.arange(n, dtype=np.int64)
+        return cls(t, parents, q, source, None if labels is None else tuple(labels), known_chain=True)
 
     def head(self, n: int) -> "Draft":
         """The first n tokens of a chain."""
@@ -47,7 +56,7 @@ class Draft:
 
     @property
     def is_chain(self) -> bool:
-        return bool(np.array_equal(self.parents, np.arange(len(self.tokens))))
+        return self.known_chain or bool(np.array_equal(self.parents, np.arange(len(self.tokens))))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -276,6 +285,7 @@ class RecyclingDrafter:
         self.seen = np.zeros(vocab, bool)
         self.prior_counts = np.array([8.0, 2.5, 1.2, 0.7, 0.5, 0.35, 0.25, 0.2][:k] + [0.1] * max(0, k - 8))
         self.misses = 8.0
+        self._since_regrow = 0  # accepted steps since the templates were last re-grown from the priors
         self.nodes = nodes
         self._templates: dict[int, list] = {}
         self.root: int | None = None
@@ -369,14 +379,18 @@ class RecyclingDrafter:
         return Draft(np.asarray(toks, np.int64), np.asarray(parents, np.int64), source="recycling")
 
     def accept(self, tokens) -> None:
-        # adapt the per-rank priors: where in the root's candidate row did the target's next token sit?
+        # adapt the per-rank priors: where in the root's candidate row did the target's next token sit? (plain
+        # Python on the row: this runs every step, where each numpy call costs tens of µs)
         if self.root is not None and self.seen[self.root]:
-            hit = np.nonzero(self.adj[self.root] == tokens[0])[0]
-            if hit.size:
-                self.prior_counts[hit[0]] += 1
+            row = self.adj[self.root].tolist()
+            tok = int(tokens[0])
+            if tok in row:
+                self.prior_counts[row.index(tok)] += 1
             else:
                 self.misses += 1
-            if (self.prior_counts.sum() + self.misses) % 64 < 1:
+            self._since_regrow += 1
+            if self._since_regrow >= 64:
+                self._since_regrow = 0
                 self._templates.clear()  # re-grow templates from the updated priors now and then
         self.prev = int(tokens[-2]) if len(tokens) >= 2 else self.root
         self.root = int(tokens[-1])

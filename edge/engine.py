@@ -546,7 +546,8 @@ class Engine:
         """One target call over [root] + draft → (committed tokens, tree path or None, next token); `before` is the
         committed token before the root (for Token Recycling's two-token successors); `learn`: feed the call's
         candidates to Token Recycling (not in plain decoding, which keeps its steps free of drafting work)."""
-        tokens = np.concatenate([[root], d.tokens]).astype(np.int64)
+        # the call's ids as a Python list: this runs right after the last call, when each numpy op costs tens of µs
+        tokens = [int(root)] + d.tokens.tolist()
         L = self.target.cache.length
         greedy = p.temperature == 0
         head_k, need_logits = self._head_request(p)
@@ -566,10 +567,10 @@ class Engine:
         argmax = (top[:, 0] if logits is None else logits.argmax(-1)) if greedy else None
         if layout is None:
             if greedy:
-                n, nxt = verify_greedy(d.tokens, argmax)
+                n, nxt = verify_greedy(tokens[1:], argmax)
             else:
                 n, nxt = verify_sampling(d.tokens, self._target_probs(logits, p), d.q, rng)
-            return [int(t) for t in tokens[: n + 1]], None, int(nxt)
+            return tokens[: n + 1], None, int(nxt)
         parents = layout.parents
         if greedy:
             path, nxt = verify_greedy_tree(tokens, parents, argmax)
@@ -577,7 +578,7 @@ class Engine:
             P = self._target_probs(logits, p)
             q = None if d.q is None else np.concatenate([d.q, np.zeros((1, d.q.shape[1]))])
             path, nxt = verify_sampling_tree(tokens, parents, P, q, rng)
-        return [int(tokens[i]) for i in path], list(path), int(nxt)
+        return [tokens[i] for i in path], list(path), int(nxt)
 
     def _run(self, ids: list[int], p: GenerationParams) -> Iterator[Chunk]:
         st = Stats(prompt_tokens=len(ids))

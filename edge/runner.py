@@ -77,10 +77,11 @@ class GraphSession:
         self.min_call = 1
         self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.cache.layer(i, j))
                            for i in range(graph.layers) for j in range(2)]  # kept alive: bindings hold pointers
-        # two bindings with the KV cache bound once each: with logits, and (on-graph TopK) with top ids only.
-        # Bindings persist across runs, so every other input and output is rebound only when the array behind it
-        # changes (`_bind`): decode-sized calls reuse one ids/positions buffer per width and one output view per
-        # shape, written in place. Right after a run every cache is cold and each binding costs tens of µs.
+        # bindings with the KV cache bound once each: with logits, and (on-graph TopK) with top ids only; for calls
+        # up to SMALL_CALL rows one pair per width (`_binding`). Bindings persist across runs, so every other input
+        # and output is rebound only when the array behind it changes (`_bind`): decode-sized calls reuse one
+        # ids/positions buffer per width and one output view per shape, written in place, and a draft length that
+        # changes from step to step finds its width's buffers still bound (each rebinding costs ~10-30 µs).
         self._bound: dict[tuple[int, str], np.ndarray] = {}  # (binding, name) -> the array bound there
         # only on the CPU provider is a bound input read from its array at run time; other providers copy it to the
         # device when it is bound, so there every input is bound on every call
@@ -89,6 +90,7 @@ class GraphSession:
         self._views: dict[tuple, np.ndarray] = {}  # (output, rows, k) -> view of its buffer
         self._bind_full = self._new_binding()
         self._bind_top = self._new_binding() if self.topk else self._bind_full
+        self._by_width: dict[tuple[int, bool], object] = {}  # (width, logits wanted) -> its binding
         self.min_call = self._probe_min_call()
         # int8 activations (MatMulNBits accuracy_level 4, w8a8) amplify any change in attention summation order, so
         # a tree is never exact there even when one probe happens to agree; otherwise the probe decides
@@ -100,6 +102,15 @@ class GraphSession:
             for j, kind in enumerate(("key", "value")):
                 b.bind_ortvalue_input(f"past_key_values.{i}.{kind}", self._kv_values[2 * i + j])
                 b.bind_ortvalue_output(f"present.{i}.{kind}", self._kv_values[2 * i + j])
+        return b
+
+    def _binding(self, s: int, want: bool):
+        """The binding a call of width s uses: its own for small calls (created on first use), else the shared one."""
+        if s > SMALL_CALL or not self._reuse:
+            return self._bind_full if want else self._bind_top
+        b = self._by_width.get((s, want))
+        if b is None:
+            b = self._by_width[(s, want)] = self._new_binding() if want or self.topk else self._binding(s, True)
         return b
 
     def _bind(self, b, name: str, arr: np.ndarray, output: bool = False) -> None:
@@ -150,10 +161,11 @@ class GraphSession:
         logits=False on a graph with on-graph TopK (then only `self.top_ids` [R, topk] is filled).
         `sample` = (temperature, k) on a graph with the head: `self.top_ids` and `self.top_probs` [R, k] are the k
         best tokens and their probabilities at that temperature (else `self.top_probs` is None)."""
-        ids = np.asarray(tokens, np.int64).reshape(1, -1)
-        s = ids.shape[1]
+        # a list of ids stays a list until it is written into its call-width buffer (one numpy call, not two)
+        ids = tokens if isinstance(tokens, list) else np.asarray(tokens, np.int64).reshape(-1)
+        s = len(ids)
         if s < self.min_call:
-            return self._forward_padded(ids, positions, bias, keep, logits, sample)
+            return self._forward_padded(np.asarray(ids, np.int64).reshape(1, -1), positions, bias, keep, logits, sample)
         if s > self.max_call and keep == 0:
             raise ValueError(f"{s} tokens in one call with all logits kept (max {self.max_call})")
         self.cache.check_room(s)
@@ -162,13 +174,14 @@ class GraphSession:
             if s not in self._small:
                 self._small[s] = (np.zeros((1, s), np.int64), np.zeros((1, s), np.int64))
             ids_buf, pos_buf = self._small[s]
-            ids_buf[0] = ids[0]
+            ids_buf[0] = ids
             if positions is None:
                 pos_buf[0] = self._arange[:s] + L
             else:
                 pos_buf[0] = np.asarray(positions, np.int64).reshape(-1)
             ids, positions = ids_buf, pos_buf
         else:
+            ids = np.asarray(ids, np.int64).reshape(1, -1)
             positions = (np.arange(L, L + s, dtype=np.int64) if positions is None
                          else np.asarray(positions, np.int64)).reshape(1, -1)
         if bias is None:
@@ -178,7 +191,7 @@ class GraphSession:
         self._keep[0] = keep
         sample = sample if self.head else None
         want = logits or not self.topk
-        b = self._bind_full if want else self._bind_top
+        b = self._binding(s, want)
         self._bind(b, "input_ids", ids)
         self._bind(b, "position_ids", positions)
         b.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))  # its shape changes every call

@@ -48,14 +48,24 @@ def verify_greedy(draft: np.ndarray, target_argmax: np.ndarray) -> tuple[int, in
     draft: [K] ints; target_argmax: [K+1] ints (argmax of each row of the target logits).
     Returns ``(n_accepted, next_token)`` with ``next_token = target_argmax[n_accepted]`` --
     the correction at the first mismatch, or the bonus token when all K are accepted.
+
+    Plain Python over the few ids (arrays or lists): it runs once per decode step, right after the target's call,
+    when every numpy call costs tens of µs.
     """
-    draft = np.asarray(draft)
-    target_argmax = np.asarray(target_argmax)
-    k = draft.shape[0]
-    assert draft.ndim == 1 and target_argmax.shape == (k + 1,), (draft.shape, target_argmax.shape)
-    mismatch = np.flatnonzero(draft != target_argmax[:k])
-    n_accepted = int(mismatch[0]) if mismatch.size else k
-    return n_accepted, int(target_argmax[n_accepted])
+    d = _ids(draft, "draft")
+    a = _ids(target_argmax, "target_argmax")
+    k = len(d)
+    assert len(a) == k + 1, (k, len(a))
+    n_accepted = next((i for i in range(k) if d[i] != a[i]), k)
+    return n_accepted, a[n_accepted]
+
+
+def _ids(x, name: str) -> list[int]:
+    """A 1-D sequence of token ids as Python ints."""
+    if isinstance(x, np.ndarray):
+        assert x.ndim == 1, f"{name}: 1-D ids expected, got shape {x.shape}"
+        return x.tolist()
+    return [int(t) for t in x]
 
 
 def verify_sampling(

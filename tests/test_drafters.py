@@ -63,6 +63,38 @@ def test_recycling_drafts_from_observed_candidates_and_is_bounded():
     assert lay.num_nodes == len(dr) + 1
 
 
+def test_recycling_accept_counts_where_the_next_token_sat():
+    """Each step moves the rank prior: +1 at the rank of the root's row that held the target's next token, a miss
+    when none did; the tree templates are re-grown from the priors every 64 steps."""
+    d = RecyclingDrafter(100, k=4)
+    d.observe([1, 2], np.array([[2, 5, 6, 7], [3, 8, 9, 10]]))
+    before, misses = d.prior_counts.copy(), d.misses
+    d.begin([0, 1])
+    d.accept([6, 3])  # rank 2 of root 1's row
+    assert np.allclose(d.prior_counts - before, [0, 0, 1, 0]) and d.misses == misses
+    d.begin([0, 1])
+    d.accept([99])  # not in the row
+    assert np.allclose(d.prior_counts - before, [0, 0, 1, 0]) and d.misses == misses + 1
+    d.begin([0, 50])
+    d.accept([3])  # root 50 was never observed: nothing to learn
+    assert np.allclose(d.prior_counts - before, [0, 0, 1, 0]) and d.misses == misses + 1
+    d.template(4)
+    for _ in range(62):  # 64 counted steps in all
+        d.begin([0, 1])
+        assert d._templates
+        d.accept([2])
+    assert not d._templates
+
+
+def test_chain_drafts_share_read_only_parents():
+    c = Draft.chain([5, 6, 7])
+    assert c.is_chain and c.parents.tolist() == [0, 1, 2] and not c.parents.flags.writeable
+    assert c.head(2).is_chain and c.head(2).parents.tolist() == [0, 1]
+    assert Draft.empty().is_chain and len(Draft.empty().parents) == 0
+    long = Draft.chain(range(300))
+    assert long.parents.tolist() == list(range(300))
+
+
 def test_recycling_chains_only_gives_a_chain():
     d = RecyclingDrafter(100, k=4, chains_only=True)
     d.observe([1, 2, 3], np.array([[2, 5, 6, 7], [3, 8, 9, 10], [4, 11, 12, 13]]))

@@ -64,6 +64,28 @@ def test_output_views_follow_their_buffers(engine):
     np.testing.assert_array_equal(g.top_ids[:, 0], rows.argmax(-1))
 
 
+def test_a_call_width_that_comes_back_finds_its_bindings(engine):
+    """Each small call width keeps its own IOBinding, so a draft length that changes from step to step rebinds
+    nothing once each width has been seen (only the attention bias, whose shape changes every call). That the rows
+    are still each call's own is what the exactness tests check."""
+    g = engine.target
+
+    class Counting(dict):
+        sets = 0
+
+        def __setitem__(self, key, value):
+            Counting.sets += 1
+            super().__setitem__(key, value)
+
+    g._bound = Counting(g._bound)
+    for s in (3, 5, 3, 5):  # first sight of each width binds its buffers
+        g.forward(list(range(7, 7 + s)))
+    Counting.sets = 0
+    for s in (3, 5, 3, 5, 3):
+        g.forward(list(range(9, 9 + s)))
+    assert Counting.sets == 0
+
+
 def test_plain_decoding_leaves_token_recycling_alone(engine):
     """Plain decoding is the reference and does no drafting work: its steps do not feed Token Recycling."""
     before = engine.recycling.adj.copy(), engine.recycling.pair_key.copy()

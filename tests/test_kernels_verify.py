@@ -105,6 +105,16 @@ def resample_on_mismatch(draft, p, q, rng):
 )
 def test_verify_greedy_table(draft, target_argmax, expected):
     assert verify_greedy(np.array(draft, dtype=np.int64), np.array(target_argmax)) == expected
+    # the engine passes Python lists (and a column view of the head's ids): the same answer, as Python ints
+    got = verify_greedy(list(draft), np.array(target_argmax)[:, None][:, 0])
+    assert got == expected and all(type(x) is int for x in got)
+
+
+def test_verify_greedy_refuses_wrong_shapes():
+    with pytest.raises(AssertionError):
+        verify_greedy(np.array([[5, 6]]), np.array([5, 6, 7]))  # a 2-D draft
+    with pytest.raises(AssertionError):
+        verify_greedy([5, 6], [5, 6])  # argmax needs one more row than the draft
 
 
 def _onehot(i, v=4):
