@@ -3,6 +3,7 @@ control characters and lone surrogates, multi-byte text split across tokens (fuz
 an accepted multi-token draft, absurd sampling values. Refusals are EngineErrors that leave the engine usable."""
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 import edge
 from edge import EngineError
-from edge.text import StreamDecoder
+from edge.text import StreamDecoder, TextCodec
 
 FUZZ = settings(max_examples=150, deadline=None, database=None)
 
@@ -128,7 +129,12 @@ def test_lone_surrogate_is_read_as_replacement_character(engine):
 
 # ----------------------------------------------------------------------------- multi-byte text split across tokens
 
-def deltas(codec, ids, cuts) -> list[str]:
+def deltas(codec, ids, cuts, bytewise: bool = True) -> list[str]:
+    """Stream `ids` pushed in groups ending at `cuts`; `bytewise` False takes the re-decoding path that tokenizers
+    other than byte-level BPE use (the test tokenizer is byte-level, so both paths run on the same ids)."""
+    assert codec.byte_level
+    codec = copy.copy(codec)
+    codec._byte_level = bytewise
     dec, out, prev = StreamDecoder(codec), [], 0
     for c in sorted(set(cuts)) + [len(ids)]:
         out.append(dec.push(ids[prev:c]))
@@ -140,32 +146,75 @@ def deltas(codec, ids, cuts) -> list[str]:
 MULTIBYTE = st.text(alphabet=st.sampled_from(list("aé😀日本語ß€\u0301🏳️‍🌈👍🏽 \n")), min_size=1, max_size=24)
 
 
+@pytest.mark.parametrize("bytewise", [True, False])
 @FUZZ
 @given(text=MULTIBYTE, data=st.data())
-def test_streamed_text_is_whole_characters_for_any_split(engine, text, data):
+def test_streamed_text_is_whole_characters_for_any_split(engine, text, data, bytewise):
     """Text the tokenizer splits inside characters (byte-level BPE), pushed in random groups of tokens: every delta
     is whole characters (no U+FFFD, encodable) and the deltas add up to the text."""
     ids = engine.codec.encode(text)
     cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=len(ids)))
-    out = deltas(engine.codec, ids, cuts)
+    out = deltas(engine.codec, ids, cuts, bytewise)
     assert "".join(out) == engine.codec.decode(ids) == text
     for d in out:
         assert "\ufffd" not in d
         d.encode("utf-8")
 
 
+@pytest.mark.parametrize("bytewise", [True, False])
 @FUZZ
 @given(ids=st.lists(st.integers(3, 383), min_size=1, max_size=30), data=st.data())
-def test_streamed_text_of_arbitrary_tokens_adds_up(engine, ids, data):
+def test_streamed_text_of_arbitrary_tokens_adds_up(engine, ids, data, bytewise):
     """Any token sequence (invalid UTF-8 included, as a model may emit): deltas add up to the full decode, and a
     U+FFFD only appears where the full decode has one (an incomplete character held back, never split)."""
     cuts = data.draw(st.lists(st.integers(0, len(ids)), max_size=len(ids)))
-    out = deltas(engine.codec, ids, cuts)
+    out = deltas(engine.codec, ids, cuts, bytewise)
     full = engine.codec.decode(ids)
     assert "".join(out) == full
     assert sum(d.count("\ufffd") for d in out) == full.count("\ufffd")
     for d in out:
         d.encode("utf-8")
+
+
+def _tokenizer(tmp_path, vocab: dict, decoder: dict | None) -> TextCodec:
+    import json
+
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=next(iter(vocab))))
+    spec = json.loads(tok.to_str())
+    spec["decoder"] = decoder
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    return TextCodec(path, None, None, ())
+
+
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+# the decoder SmolLM2's GGUF tokenizer comes with: ByteFallback, Fuse and a ▁ -> space Replace before ByteLevel
+SEQUENCE = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"},
+                                              {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                                              BYTE_LEVEL]}
+
+
+@pytest.mark.parametrize("vocab, decoder, bytewise", [
+    ({"a": 0, "Ġb": 1, "Ã©": 2}, BYTE_LEVEL, True),
+    ({"a": 0, "Ġb": 1, "Ã©": 2}, SEQUENCE, True),
+    ({"a": 0, "Ġb": 1, "€": 2}, BYTE_LEVEL, False),  # a character with no byte: ByteLevel keeps its UTF-8
+    ({"a": 0, "<0x41>": 1}, SEQUENCE, False),  # a byte-fallback piece
+    ({"a": 0, "\u2581b": 1}, {**SEQUENCE, "decoders": SEQUENCE["decoders"][2:]}, False),  # ▁ has no byte either
+    ({"a": 0, "b": 1}, {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "a"}, "content": "b"},
+                                                         BYTE_LEVEL]}, False),  # a Replace tokens can spell
+    ({"a": 0, "b": 1}, {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "always", "split": True}, False),
+    ({"a": 0, "b": 1}, None, False),
+])
+def test_bytewise_decoding_only_where_it_equals_the_tokenizer(tmp_path, vocab, decoder, bytewise):
+    """The incremental byte path is taken only for decoders that concatenate token bytes, and where it is taken it
+    decodes every token as the tokenizer does."""
+    codec = _tokenizer(tmp_path, vocab, decoder)
+    assert codec.byte_level == bytewise
+    if bytewise:
+        for i in vocab.values():
+            assert codec.token_bytes(i).decode("utf-8", "replace") == codec.decode([i])
 
 
 # ----------------------------------------------------------------------------- stop strings across a draft
