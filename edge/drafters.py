@@ -331,17 +331,20 @@ class RecyclingDrafter:
         before the root (default: the one this drafter tracked, which is only current while it is drafting)."""
         t = [int(x) for x in tokens]
         top = np.asarray(top_ids)
-        self.adj[t] = top[:, : self.k]
+        self.adj[t] = top if top.shape[1] == self.k else top[:, : self.k]
         self.seen[t] = True
         before = self.prev if before is None else int(before)
         if before is None:
             return
         prevs = [before] + (t[:-1] if parents is None else [t[q] for q in list(parents)[1:]])
+        # the call's pairs in one write per table (a later pair in the same slot wins, as written one by one)
+        writes = {}
         for prev, tok, nxt in zip(prevs, t, top[:, 0].tolist()):
             key = prev * self.vocab + tok
-            slot = self._slot(key)
-            self.pair_key[slot] = key
-            self.pair_next[slot] = nxt
+            writes[self._slot(key)] = (key, nxt)
+        slots = list(writes)
+        self.pair_key[slots] = [k for k, _ in writes.values()]
+        self.pair_next[slots] = [n for _, n in writes.values()]
 
     def _chain(self, budget: int) -> Draft:
         toks, labels = [], []

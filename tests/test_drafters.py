@@ -205,6 +205,9 @@ def test_recycling_pair_table_is_bounded_and_evicts_without_lying():
     assert d.pair_successor(pa, ta) == 11
     d.observe([tb], np.array([[12] * 8]), before=pb)
     assert d.pair_successor(pb, tb) == 12 and d.pair_successor(pa, ta) is None
+    # one call that sees the same pair three times keeps the last successor, as writing them one by one would
+    d.observe([5, 5, 5], np.array([[1] * 8, [2] * 8, [3] * 8]), before=5)
+    assert d.pair_successor(5, 5) == 3
     big = RecyclingDrafter(262144, k=2)  # Gemma-3's vocabulary: keys no longer fit 32 bits
     assert big.pair_key.dtype == np.uint64
     big.observe([262143], np.array([[7, 8]]), before=262142)
