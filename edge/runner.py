@@ -109,8 +109,8 @@ class GraphSession:
         if s > SMALL_CALL or not self._reuse:
             return self._bind_full if want else self._bind_top
         b = self._by_width.get((s, want))
-        if b is None:
-            b = self._by_width[(s, want)] = self._new_binding() if want or self.topk else self._binding(s, True)
+        if b is None:  # (want is False only on graphs with the on-graph TopK)
+            b = self._by_width[(s, want)] = self._new_binding()
         return b
 
     def _bind(self, b, name: str, arr: np.ndarray, output: bool = False) -> None:
