@@ -9,6 +9,7 @@ which public spec the numbers come from. It never decides draft lengths: that is
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
@@ -203,6 +204,43 @@ def detect_host(providers: list[str] | None = None) -> DeviceProfile:
         notes=f"budget = {HOST_BUDGET_FRACTION:.0%} of the RAM available at detection")
 
 
+@functools.lru_cache(maxsize=None)
+def int8_gemm_exact() -> bool:
+    """Does this host's ONNX Runtime sum uint8 x int8 products exactly (MatMulIntegerToFloat with int8 weights, the
+    MLAS u8s8 GEMM)? Not on x86 CPUs without VNNI (AVX2, AVX-512 without VNNI): there MLAS adds products in pairs
+    with a saturating 16-bit instruction (vpmaddubsw), so 2 x 200 x 127 comes out as 32767. Measured on a 2-core AMD
+    EPYC (Zen 3, AVX2): errors as large as the products themselves on activations around the zero point.
+    w8a8 exports then store their weights as uint8 (the u8u8 GEMM widens to 16 bits first; exact on every CPU).
+    One tiny graph, run once per process; False also when ONNX Runtime cannot run it (the safe choice)."""
+    try:
+        import numpy as np
+        import onnxruntime as ort
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError:
+        return False
+    k, n = 64, 8  # a pair of 200 x 127 products overflows int16; the exact sums are 64 x 72 x 127 = 585216
+    a = np.full((1, k), 200, np.uint8)
+    w = np.full((k, n), 127, np.int8)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(1, np.float32), "a_scale"),
+             numpy_helper.from_array(np.ones(n, np.float32), "w_scale"),
+             numpy_helper.from_array(np.array(128, np.uint8), "a_zero")]
+    node = helper.make_node("MatMulIntegerToFloat", ["a", "w", "a_scale", "w_scale", "a_zero"], ["y"],
+                            domain="com.microsoft")
+    graph = helper.make_graph([node], "int8_gemm_probe", [helper.make_tensor_value_info("a", TensorProto.UINT8, [1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10  # ORT 1.31 loads IR <= 13
+    try:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads, so.log_severity_level = 1, 3
+        sess = ort.InferenceSession(model.SerializeToString(), so, providers=[CPU_EP])
+        y = sess.run(None, {"a": a})[0]
+    except Exception:  # noqa: BLE001  (an ORT without the op: callers take the exact-everywhere layout)
+        return False
+    want = (a.astype(np.int64) - 128) @ w.astype(np.int64)
+    return bool(np.array_equal(y, want.astype(np.float32)))
+
+
 def check_available(profile: DeviceProfile, simulate: bool = False,
                     providers: list[str] | None = None) -> DeviceProfile:
     """The profile if its execution provider is installed. Otherwise: with simulate=True, the same profile on the
@@ -223,4 +261,4 @@ def check_available(profile: DeviceProfile, simulate: bool = False,
 
 
 __all__ = ["DeviceProfile", "ProfileError", "ProviderUnavailable", "list_profiles", "load_profile",
-           "profile_from_dict", "detect_host", "check_available", "available_providers", "HOST", "CPU_EP"]
+           "profile_from_dict", "detect_host", "check_available", "available_providers", "int8_gemm_exact", "HOST", "CPU_EP"]

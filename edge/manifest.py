@@ -20,8 +20,8 @@ OLDEST_FORMAT = 1  # format 2 adds GraphEntry.arch (a drafter from its own check
 # the graphs export.graph writes: bumped whenever they change, so a cached export from an older builder is rebuilt
 # (2: the pad query row; 3: block-quantized embedding rows; 4: the default export became w8a8; 5: the on-graph head
 # takes k and the temperature per call and returns probabilities; 6: w8a8 smoothed before quantization, int4 blocks
-# keep their float minimum)
-GRAPH_VERSION = 6
+# keep their float minimum; 7: w8a8 weights as uint8 where the host's int8 GEMM saturates, `GraphEntry.w8a8_kernel`)
+GRAPH_VERSION = 7
 FAST_HASH_BYTES = 16 << 20  # verify="fast" hashes files up to this size
 MANIFEST_NAME = "edge_model.json"
 
@@ -56,6 +56,7 @@ class GraphEntry:
     block_size: int = 0
     accuracy_level: int = 0
     lm_head_bits: int = 0  # 0 = float head
+    w8a8_kernel: str = "u8s8"  # w8a8: int8 weights (u8s8 GEMM) or uint8 ones (u8u8, exact on CPUs without VNNI)
     embedding_bits: int = 0  # 0 = float Gather table; else block-quantized rows (GatherBlockQuantized)
     block_min: bool = False  # 4-bit layers keep their blocks' float minimums (export.quant.quantize_block_min)
     max_len: int = 0  # KV buffer capacity the rotary tables cover

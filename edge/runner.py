@@ -6,6 +6,7 @@ as both past and present, so ONNX Runtime writes new K/V in place and nothing of
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 
@@ -47,6 +48,7 @@ class GraphSession:
 
         self.ort = ort
         self.sess = ort.InferenceSession(path, session_options(threads), providers=list(providers))
+        warn_int8_gemm(path, graph, providers)
         a = manifest.arch_of(graph)
         self.layers, self.vocab = graph.layers, graph.vocab
         dtype = np.float16 if graph.kv_dtype == "float16" else np.float32
@@ -279,6 +281,23 @@ class GraphSession:
             last = self.forward(part, keep=1)[-1]
             self.cache.append(len(part))
         return last
+
+
+def warn_int8_gemm(path: str, graph: GraphEntry, providers=("CPUExecutionProvider",)) -> bool:
+    """Warn (and return True) when a w8a8 graph with int8 weights runs on a CPU whose int8 GEMM saturates
+    (`devices.int8_gemm_exact`): its answers stay deterministic and speculation stays exact, but its logits can be
+    several units off the model's. Exports made on such a host store uint8 weights instead."""
+    if graph.precision != "w8a8" or graph.w8a8_kernel != "u8s8" or "CPUExecutionProvider" not in providers[:1]:
+        return False
+    from devices import int8_gemm_exact
+
+    if int8_gemm_exact():
+        return False
+    warnings.warn(f"{path}: this w8a8 export stores int8 weights, whose products this CPU's ONNX Runtime adds in "
+                  "saturating 16-bit pairs (x86 without VNNI): its logits can be several units off the model's. "
+                  "Re-export it on this machine (edge-export SOURCE -o DIR; the embedded default: edge-export "
+                  "--default --force), which stores uint8 weights that are exact here", RuntimeWarning, stacklevel=3)
+    return True
 
 
 def probe_min_call(session) -> int:

@@ -36,6 +36,7 @@ from .checkpoint import Checkpoint
 from .quant import block_sum_matrix, quantize_asymmetric, quantize_block_min, quantize_blockwise, unpack4
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "w8a8")
+W8A8_KERNELS = ("u8s8", "u8u8")
 SHARED_CONSTANT_MAX = 64  # elements: larger initializers (weights) are never requested twice by name
 MS = "com.microsoft"
 IR_VERSION = 10  # ORT 1.31 loads IR <= 13; onnx 1.23 would write 14 by default
@@ -54,10 +55,17 @@ class GraphOptions:
     max_len: int | None = None  # rotary table length; default: the model's max positions
     topk: int = 8  # 0: no on-graph head; else the head (kernels/postprocess.py), whose k the runtime feeds per call
     pad_query: bool = True  # one extra attention query row, so 1-token calls compute what verify calls compute
+    # w8a8 weights: "u8s8" int8 (MLAS' u8s8 GEMM: VNNI's fast path, but it saturates on CPUs without VNNI) or
+    # "u8u8" uint8 around 128 (exact on every CPU); None: `devices.int8_gemm_exact` decides for this host
+    w8a8_kernel: str | None = None
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        if self.w8a8_kernel is None:
+            object.__setattr__(self, "w8a8_kernel", host_w8a8_kernel() if self.precision == "w8a8" else "u8s8")
+        if self.w8a8_kernel not in W8A8_KERNELS:
+            raise ValueError(f"w8a8_kernel {self.w8a8_kernel!r}: choose one of {', '.join(W8A8_KERNELS)}")
 
     @property
     def bits(self) -> int | None:
@@ -84,6 +92,14 @@ class GraphOptions:
         if self.lm_head_bits is not None:
             return self.lm_head_bits or None
         return 8 if self.bits else None
+
+
+def host_w8a8_kernel() -> str:
+    """The w8a8 weight layout that is exact on this machine and fastest there: int8 weights where the int8 GEMM
+    sums exactly (VNNI), uint8 weights elsewhere (`devices.int8_gemm_exact`)."""
+    from devices import int8_gemm_exact
+
+    return "u8s8" if int8_gemm_exact() else "u8u8"
 
 
 class _Builder:
@@ -163,10 +179,18 @@ class _Builder:
         only, so a token's result cannot depend on how many rows share its call or how the kernel tiles them
         (MatMulNBits' int8-activation kernels accumulate float partial sums per block, and over the whole model their
         cost grows ~2 ms per extra row on the dev VM; MLAS' u8s8 GEMM reuses each packed weight tile across rows). A row of zeros gives max 0,
-        NaN codes and y = garbage·0 = 0."""
+        NaN codes and y = garbage·0 = 0.
+
+        The same weights go in as int8 (`w8a8_kernel` "u8s8") or as uint8 w + 128 with zero point 128 ("u8u8"):
+        equal integer sums, but MLAS' u8s8 kernel on x86 CPUs without VNNI adds products in saturating int16 pairs
+        (`devices.int8_gemm_exact`), while its u8u8 kernel widens first and is exact everywhere."""
         ws = (np.abs(w).max(1) / 127).astype(np.float32)  # [N]
         ws = np.where(ws == 0, np.float32(1), ws).astype(np.float32)
         wq = np.clip(np.rint(w / ws[:, None]), -127, 127).astype(np.int8).T  # [K, N]
+        zero = self.init("w8a8_zero_point", np.array(128, np.uint8))
+        w_zero = []
+        if self.o.w8a8_kernel == "u8u8":
+            wq, w_zero = (wq.astype(np.int16) + 128).astype(np.uint8), [zero]
         m = self.node("ReduceMax", [self.node("Abs", [x], name=f"{name}/abs")[0]], name=f"{name}/absmax",
                       axes=[-1], keepdims=1)[0]  # [1, S, 1]
         r = self.node("Div", [self.init("w8a8_127", np.array(127, np.float32)), m], name=f"{name}/inv_scale")[0]
@@ -175,9 +199,8 @@ class _Builder:
         q = self.node("Cast", [q], name=f"{name}/quant", to=TensorProto.UINT8)[0]  # truncates: floor of ≥ 1.5
         y = self.node("MatMulIntegerToFloat", [q, self.init(f"{name}.qweight", np.ascontiguousarray(wq)),
                                                self.init("w8a8_one", np.array(1, np.float32)),
-                                               self.init(f"{name}.scales", (ws / 127).astype(np.float32)),
-                                               self.init("w8a8_zero_point", np.array(128, np.uint8))],
-                      domain=MS, name=f"{name}/matmul")[0]
+                                               self.init(f"{name}.scales", (ws / 127).astype(np.float32)), zero]
+                      + w_zero, domain=MS, name=f"{name}/matmul")[0]
         return self.node("Mul", [y, m], name=name)[0]
 
     def embedding(self, w: np.ndarray, bits: int | None) -> str:

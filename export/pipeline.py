@@ -27,7 +27,7 @@ from edge.text import TextCodec
 from . import calibration, distill, reference, smooth
 from .checkpoint import Checkpoint, load_checkpoint
 from .evaluate import GraphRunner, parity, rank_vocabulary
-from .graph import GRAPH_VERSION, GraphOptions, build_graph, save_model
+from .graph import GRAPH_VERSION, GraphOptions, build_graph, host_w8a8_kernel, save_model
 from .tokenizer import write_tokenizer
 
 # Chosen by measurement on the 2-core dev VMs (README "Quantization"): int8 weights per channel with int8 activations
@@ -62,6 +62,14 @@ class ExportOptions:
     threads: int = 2
     name: str | None = None
     extra: dict = field(default_factory=dict)
+    # w8a8 weight layout (export/graph.py GraphOptions.w8a8_kernel); None: what is exact on this host, u8s8 where its
+    # int8 GEMM does not saturate (VNNI), else u8u8. Resolved here so the manifest records, and a cached default
+    # export is compared on, the layout actually written
+    w8a8_kernel: str | None = None
+
+    def __post_init__(self):
+        if self.w8a8_kernel is None and self.precision == "w8a8":
+            object.__setattr__(self, "w8a8_kernel", host_w8a8_kernel())
 
     def recorded(self) -> dict:
         """The options as the manifest records them (JSON lists; the checkpoint list only when there is one, so
@@ -70,11 +78,14 @@ class ExportOptions:
              "drafter_checkpoints": [[str(p), k] for p, k in self.drafter_checkpoints]}
         if not self.drafter_checkpoints:
             del d["drafter_checkpoints"]
+        if self.w8a8_kernel is None:  # not w8a8
+            del d["w8a8_kernel"]
         return d
 
     def graph_options(self, max_len: int, layers: int | None = None) -> GraphOptions:
         return GraphOptions(precision=self.precision, block_size=self.block_size, accuracy_level=self.accuracy_level,
-                            lm_head_bits=self.lm_head_bits, block_min=self.block_min, layers=layers, max_len=max_len)
+                            lm_head_bits=self.lm_head_bits, block_min=self.block_min, layers=layers, max_len=max_len,
+                            w8a8_kernel=self.w8a8_kernel)
 
 
 class _Steps:
@@ -242,7 +253,7 @@ def _checkpoint_drafter(path: Path, dck: Checkpoint, k: int, part: Path, opts: E
              "checkpoint": {"path": str(src.resolve()), "sha256": source_digest(src)}}
     return GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=dc.layers, vocab=len(ids_kept),
                       precision=opts.precision, block_size=opts.block_size, accuracy_level=target.accuracy_level,
-                      lm_head_bits=target.lm_head_bits,
+                      lm_head_bits=target.lm_head_bits, w8a8_kernel=gopts.w8a8_kernel,
                       block_min=gopts.uses_block_min(dc.hidden, dc.heads * dc.head_dim, dc.intermediate),
                       embedding_bits=gopts.embedding_bits(dc.hidden),
                       max_len=max_len, id_map=f"{name}/id_map.npy", arch=dc.to_dict(),
@@ -459,7 +470,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     graphs = [GraphEntry(role="target", name="target", file=target_file, layers=c.layers, vocab=c.vocab,
                          precision=opts.precision, block_size=opts.block_size,
                          accuracy_level=opts.accuracy_level if opts.precision in ("int4", "int8") else 0,
-                         lm_head_bits=target_opts.head_bits or 0,
+                         lm_head_bits=target_opts.head_bits or 0, w8a8_kernel=target_opts.w8a8_kernel,
                          block_min=target_opts.uses_block_min(c.hidden, c.heads * c.head_dim, c.intermediate),
                          embedding_bits=target_opts.embedding_bits(c.hidden), max_len=max_len,
                          stats={"latency_ms_s1": round(target_ms[0], 3),
@@ -505,6 +516,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
         graphs.append(GraphEntry(role="drafter", name=name, file=f"{name}/model.onnx", layers=layers, vocab=k,
                                  precision=opts.precision, block_size=opts.block_size,
                                  accuracy_level=graphs[0].accuracy_level, lm_head_bits=graphs[0].lm_head_bits,
+                                 w8a8_kernel=graphs[0].w8a8_kernel,
                                  block_min=graphs[0].block_min, embedding_bits=graphs[0].embedding_bits,
                                  max_len=max_len, id_map=f"{name}/id_map.npy", stats=stats))
 

@@ -396,18 +396,84 @@ def alone_and_in_calls(ck, path, shared_kv, prompt, token, widths=(2, 3, 5)):
     return alone, inside
 
 
-def test_padded_graph_logits_do_not_depend_on_call_length(tiny_llama, int4_graphs, shared_kv):
+@pytest.fixture(scope="module")
+def w8a8_graphs(tiny_llama, tmp_path_factory):
+    """w8a8 graphs (int8 activations per row, integer sums: width-independent on every host) with and without the
+    pad query row."""
+    out = {}
+    for pad in (True, False):
+        p = tmp_path_factory.mktemp(f"w8a8-pad{int(pad)}") / "model.onnx"
+        save_model(build_graph(tiny_llama, GraphOptions(precision="w8a8", max_len=MAX_LEN, pad_query=pad)), str(p))
+        out[pad] = p
+    return out
+
+
+def test_padded_graph_logits_do_not_depend_on_call_length(tiny_llama, w8a8_graphs, shared_kv):
     """With int8 activations, the pad query row makes a 1-token call bit-identical to the same token inside any
     wider call: plain decoding needs no runtime padding and stays exactly what verification computes."""
     prompt = np.random.default_rng(3).integers(0, VOCAB, 37)
     for token in (11, 200, 301):
-        alone, inside = alone_and_in_calls(tiny_llama, int4_graphs[True], shared_kv, prompt, token)
+        alone, inside = alone_and_in_calls(tiny_llama, w8a8_graphs[True], shared_kv, prompt, token)
         for got in inside:
             assert np.array_equal(alone, got)
-    # negative control: without the pad row the same check sees ORT's single-query path (~1e-6 here, ~1 logit on
-    # the real model); if a future ORT makes the paths agree, the pad row can go
-    alone, inside = alone_and_in_calls(tiny_llama, int4_graphs[False], shared_kv, prompt, 11)
+    # negative control: without the pad row the same check sees ORT's single-query attention path (~2e-7, moved
+    # across int8 rounding steps); if a future ORT makes the paths agree, the pad row can go
+    alone, inside = alone_and_in_calls(tiny_llama, w8a8_graphs[False], shared_kv, prompt, 11)
     assert not np.array_equal(alone, inside[0])
+
+
+def test_int4_one_row_calls_are_padded_where_matmulnbits_takes_another_path(tiny_llama, int4_graphs, shared_kv,
+                                                                          exported_llama):
+    """MatMulNBits' int8-activation kernels: calls of 2 or more rows always agree row for row; a 1-row call agrees
+    too on hosts with VNNI, but not on x86 AVX2 hosts (measured on an AMD EPYC Zen 3: MLAS computes a single row
+    another way, ~1e-6 here). The runtime's load-time probe must see exactly that and pad 1-token calls to 2 rows
+    there (min_call 2), so plain and speculative decoding still compute the same numbers."""
+    from dataclasses import replace
+
+    prompt = np.random.default_rng(3).integers(0, VOCAB, 37)
+    alone, inside = alone_and_in_calls(tiny_llama, int4_graphs[True], shared_kv, prompt, 11, widths=(2, 3, 5, 8))
+    for got in inside[1:]:
+        assert np.array_equal(inside[0], got)
+    d, m = exported_llama  # the tiny export's manifest, describing this graph of the same checkpoint instead
+    entry = replace(m.target, precision="int4", accuracy_level=4, block_size=32)
+    gs = GraphSession(str(int4_graphs[True]), m, entry, capacity=MAX_LEN)
+    assert gs.min_call == (1 if np.array_equal(alone, inside[0]) else 2)
+    print("int4 1-row call equals the multi-row ones:", np.array_equal(alone, inside[0]), "min_call", gs.min_call)
+
+
+@pytest.mark.parametrize("precision,kernel,exact,warned", [
+    ("w8a8", "u8s8", False, True), ("w8a8", "u8s8", True, False), ("w8a8", "u8u8", False, False),
+    ("int4", "u8s8", False, False)])
+def test_int8_weights_warn_at_load_on_a_host_whose_int8_gemm_saturates(monkeypatch, exported_llama, precision,
+                                                                       kernel, exact, warned):
+    """An export with int8 w8a8 weights (from a VNNI machine, or an older edgespec) still runs where the u8s8 GEMM
+    saturates, deterministically, but its logits are off: loading it says so and names the re-export."""
+    import warnings
+    from dataclasses import replace
+
+    import devices
+    from edge.runner import warn_int8_gemm
+
+    monkeypatch.setattr(devices, "int8_gemm_exact", lambda: exact)
+    entry = replace(exported_llama[1].target, precision=precision, w8a8_kernel=kernel)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert warn_int8_gemm("m/model.onnx", entry) == warned
+    assert [("edge-export --default --force" in str(w.message), w.category) for w in seen] == (
+        [(True, RuntimeWarning)] if warned else [])
+
+
+def test_graph_session_warns_for_int8_weights_on_a_saturating_host(monkeypatch, tiny_llama, exported_llama, tmp_path):
+    from dataclasses import replace
+
+    import devices
+
+    p = tmp_path / "model.onnx"
+    save_model(build_graph(tiny_llama, GraphOptions(precision="w8a8", max_len=MAX_LEN, w8a8_kernel="u8s8")), str(p))
+    monkeypatch.setattr(devices, "int8_gemm_exact", lambda: False)
+    d, m = exported_llama
+    with pytest.warns(RuntimeWarning, match="saturating 16-bit pairs"):
+        GraphSession(str(p), m, replace(m.target, precision="w8a8", w8a8_kernel="u8s8"), capacity=MAX_LEN)
 
 
 def test_w8a8_graph_logits_do_not_depend_on_call_length(tiny_llama, tmp_path, shared_kv):

@@ -246,13 +246,13 @@ def test_matmulnbits_reads_our_layout(bits, symmetric, n, k, block):
 
 # ----------------------------------------------------------------------------- w8a8: MatMulIntegerToFloat
 
-def w8a8_linear(x, w) -> np.ndarray:
+def w8a8_linear(x, w, kernel: str = "u8u8") -> np.ndarray:
     """The exporter's w8a8 linear (per-row int8 activations, per-channel int8 weights) as a one-op-chain graph."""
     import onnxruntime as ort
 
     from export.graph import OPSET, _Builder
 
-    b = _Builder(GraphOptions(precision="w8a8"), TensorProto.FLOAT)
+    b = _Builder(GraphOptions(precision="w8a8", w8a8_kernel=kernel), TensorProto.FLOAT)
     y = b.linear("x", w, "lin", 8)
     n, k = w.shape
     g = helper.make_graph(b.nodes, "w8a8", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, None, k])],
@@ -290,6 +290,40 @@ def test_w8a8_linear_is_the_integer_arithmetic_it_claims():
     exact = x @ w.T
     rel = np.abs(got - exact).max(1) / np.abs(exact).max(1).clip(1e-30)
     assert rel[[0, 2, 4, 5]].max() < 0.03, rel
+
+
+@pytest.mark.parametrize("kernel", ["u8s8", "u8u8"])
+def test_w8a8_kernels_where_pairs_of_products_overflow_int16(kernel):
+    """Adjacent weights at ±127 and activation codes near 255: a pair of products reaches 2·255·127 > 32767. MLAS'
+    u8s8 kernel on x86 without VNNI adds such pairs in saturating int16 (vpmaddubsw); its u8u8 kernel widens first.
+    So uint8 weights must give the exact integer arithmetic on every host, and int8 weights exactly where
+    `devices.int8_gemm_exact` says so — the probe the export's default layout is chosen by."""
+    from devices import int8_gemm_exact
+
+    rng = np.random.default_rng(9)
+    w = np.sign(rng.standard_normal((16, 64))).astype(np.float32)  # every weight at its channel's max: ±127
+    x = (np.abs(rng.standard_normal((3, 64))) + 4).astype(np.float32)  # codes 200-255: far above the zero point
+    got = w8a8_linear(x, w, kernel)
+    want = w8a8_numpy(x.astype(np.float64), w.astype(np.float64))
+    exact = np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert exact if kernel == "u8u8" else exact == int8_gemm_exact(), np.abs(got - want).max()
+
+
+def test_w8a8_kernel_is_chosen_by_the_host_and_recorded(monkeypatch):
+    """ExportOptions resolves the w8a8 layout from the host probe once, so the manifest records (and a cached default
+    export is compared on) what was written; an explicit choice wins; other precisions record none."""
+    import devices
+    from export.pipeline import ExportOptions
+
+    for exact, kernel in ((True, "u8s8"), (False, "u8u8")):
+        monkeypatch.setattr(devices, "int8_gemm_exact", lambda exact=exact: exact)
+        opts = ExportOptions(precision="w8a8")
+        assert opts.w8a8_kernel == kernel and opts.recorded()["w8a8_kernel"] == kernel
+        assert opts.graph_options(64).w8a8_kernel == kernel
+        assert ExportOptions(precision="w8a8", w8a8_kernel="u8s8").w8a8_kernel == "u8s8"
+    assert "w8a8_kernel" not in ExportOptions(precision="int4").recorded()
+    with pytest.raises(ValueError, match="w8a8_kernel"):
+        GraphOptions(precision="w8a8", w8a8_kernel="s8s8")
 
 
 def test_w8a8_rows_do_not_depend_on_the_other_rows():
