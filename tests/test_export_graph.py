@@ -374,16 +374,21 @@ def test_capacity_above_export_is_refused(exported_llama):
 
 # ----------------------------------------------------------------------------- call-length independence
 
+def padded_and_unpadded(ck, tmp_path_factory, precision: str) -> dict[bool, object]:
+    """{pad_query: graph path} for one precision."""
+    out = {}
+    for pad in (True, False):
+        p = tmp_path_factory.mktemp(f"{precision}-pad{int(pad)}") / "model.onnx"
+        save_model(build_graph(ck, GraphOptions(precision=precision, max_len=MAX_LEN, pad_query=pad)), str(p))
+        out[pad] = p
+    return out
+
+
 @pytest.fixture(scope="module")
 def int4_graphs(tiny_llama, tmp_path_factory):
     """int4 graphs with int8 activations, with and without the pad query row. Their 4-bit layers keep the blocks'
     float minimums, so the block-sum MatMul is part of what must not depend on the call's width."""
-    out = {}
-    for pad in (True, False):
-        p = tmp_path_factory.mktemp(f"int4-pad{int(pad)}") / "model.onnx"
-        save_model(build_graph(tiny_llama, GraphOptions(precision="int4", max_len=MAX_LEN, pad_query=pad)), str(p))
-        out[pad] = p
-    return out
+    return padded_and_unpadded(tiny_llama, tmp_path_factory, "int4")
 
 
 def alone_and_in_calls(ck, path, shared_kv, prompt, token, widths=(2, 3, 5)):
@@ -400,12 +405,7 @@ def alone_and_in_calls(ck, path, shared_kv, prompt, token, widths=(2, 3, 5)):
 def w8a8_graphs(tiny_llama, tmp_path_factory):
     """w8a8 graphs (int8 activations per row, integer sums: width-independent on every host) with and without the
     pad query row."""
-    out = {}
-    for pad in (True, False):
-        p = tmp_path_factory.mktemp(f"w8a8-pad{int(pad)}") / "model.onnx"
-        save_model(build_graph(tiny_llama, GraphOptions(precision="w8a8", max_len=MAX_LEN, pad_query=pad)), str(p))
-        out[pad] = p
-    return out
+    return padded_and_unpadded(tiny_llama, tmp_path_factory, "w8a8")
 
 
 def test_padded_graph_logits_do_not_depend_on_call_length(tiny_llama, w8a8_graphs, shared_kv):
