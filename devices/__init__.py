@@ -218,17 +218,21 @@ def int8_gemm_exact() -> bool:
         from onnx import TensorProto, helper, numpy_helper
     except ImportError:
         return False
-    k, n = 64, 8  # a pair of 200 x 127 products overflows int16; the exact sums are 64 x 72 x 127 = 585216
-    a = np.full((1, k), 200, np.uint8)
+    # a pair of 200 x 127 products overflows int16; the exact sums are 64 x 72 x 127 = 585216. Two rows and 16
+    # columns, so MLAS' multi-row kernel is what runs (a model's wider calls use it)
+    k, n = 64, 16
+    a = np.full((2, k), 200, np.uint8)
     w = np.full((k, n), 127, np.int8)
     inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(1, np.float32), "a_scale"),
              numpy_helper.from_array(np.ones(n, np.float32), "w_scale"),
              numpy_helper.from_array(np.array(128, np.uint8), "a_zero")]
     node = helper.make_node("MatMulIntegerToFloat", ["a", "w", "a_scale", "w_scale", "a_zero"], ["y"],
                             domain="com.microsoft")
-    graph = helper.make_graph([node], "int8_gemm_probe", [helper.make_tensor_value_info("a", TensorProto.UINT8, [1, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    graph = helper.make_graph([node], "int8_gemm_probe",
+                              [helper.make_tensor_value_info("a", TensorProto.UINT8, [2, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, n])], initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10  # ORT 1.31 loads IR <= 13
     try:
         so = ort.SessionOptions()
@@ -261,4 +265,5 @@ def check_available(profile: DeviceProfile, simulate: bool = False,
 
 
 __all__ = ["DeviceProfile", "ProfileError", "ProviderUnavailable", "list_profiles", "load_profile",
-           "profile_from_dict", "detect_host", "check_available", "available_providers", "int8_gemm_exact", "HOST", "CPU_EP"]
+           "profile_from_dict", "detect_host", "check_available", "available_providers", "int8_gemm_exact", "HOST",
+           "CPU_EP"]

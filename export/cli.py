@@ -97,8 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--w8a8-kernel", choices=["auto", *W8A8_KERNELS], default="auto",
                     help="w8a8: store weights as int8 (u8s8: the fast VNNI kernel, but x86 CPUs without VNNI add its "
                          "products in saturating 16-bit pairs, up to several logits off) or as uint8 (u8u8: exact on "
-                         "every CPU, ~5%% slower per decode step on an AVX2 EPYC). Default auto: u8s8 where this "
-                         "machine computes it exactly, else u8u8. Export on (or for) the CPU that will run the model")
+                         "every CPU; on an AVX2 EPYC ~5%% slower per 1-token call, more on wide verify calls). "
+                         "Default auto: u8s8 where this machine computes it exactly, else u8u8. Export on (or for) "
+                         "the CPU that will run the model")
     ap.add_argument("--lm-head-bits", type=int, choices=[0, 4, 8], default=None,
                     help="LM head precision for int4/int8/w8a8 (0 = float; default 8)")
     ap.add_argument("--max-len", type=int, default=8192, help="context capacity the graphs support (default 8192)")
