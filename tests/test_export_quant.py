@@ -246,8 +246,9 @@ def test_matmulnbits_reads_our_layout(bits, symmetric, n, k, block):
 
 # ----------------------------------------------------------------------------- w8a8: MatMulIntegerToFloat
 
-def w8a8_linear(x, w, kernel: str = "u8u8") -> np.ndarray:
-    """The exporter's w8a8 linear (per-row int8 activations, per-channel int8 weights) as a one-op-chain graph."""
+def w8a8_linear(x, w, kernel: str | None = None) -> np.ndarray:
+    """The exporter's w8a8 linear (per-row int8 activations, per-channel int8 weights) as a one-op-chain graph;
+    `kernel` None: the weight layout an export on this host writes."""
     import onnxruntime as ort
 
     from export.graph import OPSET, _Builder
