@@ -20,8 +20,9 @@ OLDEST_FORMAT = 1  # format 2 adds GraphEntry.arch (a drafter from its own check
 # the graphs export.graph writes: bumped whenever they change, so a cached export from an older builder is rebuilt
 # (2: the pad query row; 3: block-quantized embedding rows; 4: the default export became w8a8; 5: the on-graph head
 # takes k and the temperature per call and returns probabilities; 6: w8a8 smoothed before quantization, int4 blocks
-# keep their float minimum; 7: w8a8 weights as uint8 where the host's int8 GEMM saturates, `GraphEntry.w8a8_kernel`)
-GRAPH_VERSION = 7
+# keep their float minimum; 7: w8a8 weights as uint8 where the host's int8 GEMM saturates, `GraphEntry.w8a8_kernel`;
+# 8: w8a8 activations quantized by one blocked QuantizeLinear per linear (opset 21), 6 nodes instead of 8)
+GRAPH_VERSION = 8
 FAST_HASH_BYTES = 16 << 20  # verify="fast" hashes files up to this size
 MANIFEST_NAME = "edge_model.json"
 

@@ -40,7 +40,7 @@ W8A8_KERNELS = ("u8s8", "u8u8")
 SHARED_CONSTANT_MAX = 64  # elements: larger initializers (weights) are never requested twice by name
 MS = "com.microsoft"
 IR_VERSION = 10  # ORT 1.31 loads IR <= 13; onnx 1.23 would write 14 by default
-OPSET = 17
+OPSET = 21  # QuantizeLinear's blocked form (w8a8 activations); IR 10 covers it
 
 
 @dataclass(frozen=True)
@@ -110,6 +110,7 @@ class _Builder:
         self.nodes: list[onnx.NodeProto] = []
         self.inits: list[onnx.TensorProto] = []
         self._constants: dict[str, np.ndarray | None] = {}
+        self._row_zeros: dict[str, str] = {}  # rows → shared w8a8 zero-point tensor
         self._n = 0
 
     def init(self, name: str, arr: np.ndarray) -> str:
@@ -130,14 +131,14 @@ class _Builder:
         self.nodes.append(helper.make_node(op, inputs, outs, name=name, domain=domain or None, **attrs))
         return outs
 
-    def linear(self, x: str, w: np.ndarray, name: str, bits: int | None) -> str:
-        """y = x @ w.T for w [N, K]."""
+    def linear(self, x: str, w: np.ndarray, name: str, bits: int | None, rows: str = "S") -> str:
+        """y = x @ w.T for w [N, K]; x [1, rows, K] (`rows` names the row count: S, or R for the head)."""
         n, k = w.shape
         if bits is None:
             wt = self.init(f"{name}.weight", w.T.astype(self.np_ft))
             return self.node("MatMul", [x, wt], name=name)[0]
         if self.o.precision == "w8a8" and bits == 8:
-            return self.linear_w8a8(x, w, name)
+            return self.linear_w8a8(x, w, name, rows)
         if bits == 4 and self.o.block_min and not self.o.symmetric and k % self.o.block_size == 0:
             return self.linear_block_min(x, w, name)
         if self.o.symmetric:
@@ -170,20 +171,24 @@ class _Builder:
         return self.node("MatMulNBits", [xs] + q, domain=MS, name=name, K=k + extra * bs, N=n, bits=4, block_size=bs,
                          accuracy_level=self.o.accuracy_level)[0]
 
-    def linear_w8a8(self, x: str, w: np.ndarray, name: str) -> str:
+    def linear_w8a8(self, x: str, w: np.ndarray, name: str, rows: str = "S") -> str:
         """y = x @ w.T with int8 weights (one symmetric scale per output channel) and int8 activations with one
-        scale per row, computed in the graph from that row alone: q = floor(x·127/max|x| + 128.5) (uint8 around
-        128), y = MatMulIntegerToFloat(q, W_int8, zero point 128, w_scale/127) · max|x|.
+        scale per row, computed in the graph from that row alone: q = QuantizeLinear(x, max|x|/127, 128) (uint8
+        around 128; one block per row, rounding half to even), y = MatMulIntegerToFloat(q, W_int8, zero point 128,
+        w_scale/127) · max|x|. Six nodes per linear, plus the zero-point tensor shared by every linear whose input
+        has the same `rows` (see `_row_zero_point`).
 
         Why: the products are summed in int32, which is exact in any order, and every scale depends on one row
         only, so a token's result cannot depend on how many rows share its call or how the kernel tiles them
         (MatMulNBits' int8-activation kernels accumulate float partial sums per block, and over the whole model their
         cost grows ~2 ms per extra row on the dev VM; MLAS' u8s8 GEMM reuses each packed weight tile across rows). A row of zeros gives max 0,
-        NaN codes and y = garbage·0 = 0.
+        NaN codes and y = garbage·0 = 0. Int8 codes (QuantizeLinear without a zero point) would need no shared
+        zero point, but ONNX Runtime 1.32's s8s8 MatMulIntegerToFloat ran ~20× slower on AVX2 than the u8 one.
 
         The same weights go in as int8 (`w8a8_kernel` "u8s8") or as uint8 w + 128 with zero point 128 ("u8u8"):
         equal integer sums, but MLAS' u8s8 kernel on x86 CPUs without VNNI adds products in saturating int16 pairs
         (`devices.int8_gemm_exact`), while its u8u8 kernel widens first and is exact everywhere."""
+        k = w.shape[1]
         ws = (np.abs(w).max(1) / 127).astype(np.float32)  # [N]
         ws = np.where(ws == 0, np.float32(1), ws).astype(np.float32)
         wq = np.clip(np.rint(w / ws[:, None]), -127, 127).astype(np.int8).T  # [K, N]
@@ -191,17 +196,28 @@ class _Builder:
         w_zero = []
         if self.o.w8a8_kernel == "u8u8":
             wq, w_zero = (wq.astype(np.int16) + 128).astype(np.uint8), [zero]
-        m = self.node("ReduceMax", [self.node("Abs", [x], name=f"{name}/abs")[0]], name=f"{name}/absmax",
-                      axes=[-1], keepdims=1)[0]  # [1, S, 1]
-        r = self.node("Div", [self.init("w8a8_127", np.array(127, np.float32)), m], name=f"{name}/inv_scale")[0]
-        q = self.node("Mul", [x, r], name=f"{name}/scaled")[0]
-        q = self.node("Add", [q, self.init("w8a8_offset", np.array(128.5, np.float32))], name=f"{name}/offset")[0]
-        q = self.node("Cast", [q], name=f"{name}/quant", to=TensorProto.UINT8)[0]  # truncates: floor of ≥ 1.5
+        m = self.node("ReduceMax", [self.node("Abs", [x], name=f"{name}/abs")[0],
+                                    self.init("axes_last", np.array([-1], np.int64))],
+                      name=f"{name}/absmax", keepdims=1)[0]  # [1, rows, 1]
+        s = self.node("Div", [m, self.init("w8a8_127", np.array(127, np.float32))], name=f"{name}/scale")[0]
+        q = self.node("QuantizeLinear", [x, s, self._row_zero_point(m, rows)], name=f"{name}/quant", axis=2,
+                      block_size=k)[0]  # [1, rows, K] uint8: one block (one scale) per row
         y = self.node("MatMulIntegerToFloat", [q, self.init(f"{name}.qweight", np.ascontiguousarray(wq)),
                                                self.init("w8a8_one", np.array(1, np.float32)),
                                                self.init(f"{name}.scales", (ws / 127).astype(np.float32)), zero]
                       + w_zero, domain=MS, name=f"{name}/matmul")[0]
         return self.node("Mul", [y, m], name=name)[0]
+
+    def _row_zero_point(self, m: str, rows: str) -> str:
+        """uint8 128s shaped like the row scales m [1, rows, 1]: blocked QuantizeLinear wants its zero point in the
+        scale's shape, which depends on the call's length, so it is built once per row count (the body's S rows,
+        the head's R) from the first linear's m and shared by the others."""
+        key = f"w8a8_zero_rows_{rows}"
+        if key not in self._row_zeros:
+            shape = self.node("Shape", [m], name=f"{key}/shape")[0]
+            self._row_zeros[key] = self.node("ConstantOfShape", [shape], name=key,
+                                             value=numpy_helper.from_array(np.array([128], np.uint8)))[0]
+        return self._row_zeros[key]
 
     def embedding(self, w: np.ndarray, bits: int | None) -> str:
         """Rows of w [V, H] for input_ids: a float Gather, or GatherBlockQuantized over block-quantized rows
@@ -345,7 +361,7 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
     x = g.node("Slice", [x, neg, g.init("int_max", np.array([2**62], np.int64)), g.init("axis_1", np.array([1], np.int64))],
                name="keep_rows")[0]
     head = ck.lm_head if vocab_ids is None else ck.lm_head[np.asarray(vocab_ids)]
-    logits = g.linear(x, head, "lm_head", opts.head_bits)
+    logits = g.linear(x, head, "lm_head", opts.head_bits, rows="R")
     if ft != TensorProto.FLOAT:
         logits = g.node("Cast", [logits], name="logits_cast", to=TensorProto.FLOAT)[0]
     g.node("Identity", [logits], name="logits_out", outputs=["logits"])

@@ -265,12 +265,13 @@ def w8a8_linear(x, w, kernel: str | None = None) -> np.ndarray:
 
 
 def w8a8_numpy(x, w) -> np.ndarray:
-    """The same arithmetic in numpy: symmetric int8 per output channel, uint8 around 128 per row."""
+    """The same arithmetic in numpy: symmetric int8 per output channel, uint8 around 128 per row (QuantizeLinear:
+    x / scale rounded half to even)."""
     ws = np.abs(w).max(1) / 127
     wq = np.clip(np.rint(w / ws[:, None]), -127, 127)
     m = np.abs(x).max(1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):  # a zero row: NaN codes, multiplied by m = 0 below
-        q = np.floor(x * (127 / m) + 128.5) - 128
+        q = np.rint(x / (m / 127))
     return (q @ wq.T) * (ws / 127) * m
 
 
