@@ -329,22 +329,24 @@ class RecyclingDrafter:
         """tokens [S] of a verify call (tokens[0] = the root), top_ids [S, >=k] the target's candidates after each;
         parents [S] (parents[0] = -1) when the call was a tree, None for a chain; `before`: the committed token
         before the root (default: the one this drafter tracked, which is only current while it is drafting)."""
-        t = [int(x) for x in tokens]
+        # one numpy call for the rows, plain scalar writes for the rest: this runs right after a target call, when
+        # every numpy call costs tens of µs (a fancy-indexed write more than a handful of scalar ones)
+        t = tokens if type(tokens) is list else [int(x) for x in tokens]
         top = np.asarray(top_ids)
         self.adj[t] = top if top.shape[1] == self.k else top[:, : self.k]
-        self.seen[t] = True
+        seen = self.seen
+        for x in t:
+            seen[x] = True
         before = self.prev if before is None else int(before)
         if before is None:
             return
         prevs = [before] + (t[:-1] if parents is None else [t[q] for q in list(parents)[1:]])
-        # the call's pairs in one write per table (a later pair in the same slot wins, as written one by one)
-        writes = {}
-        for prev, tok, nxt in zip(prevs, t, top[:, 0].tolist()):
-            key = prev * self.vocab + tok
-            writes[self._slot(key)] = (key, nxt)
-        slots = list(writes)
-        self.pair_key[slots] = [k for k, _ in writes.values()]
-        self.pair_next[slots] = [n for _, n in writes.values()]
+        keys, nexts, v = self.pair_key, self.pair_next, self.vocab
+        for prev, tok, nxt in zip(prevs, t, top[:, 0].tolist()):  # a later pair in the same slot wins
+            key = prev * v + tok
+            slot = self._slot(key)
+            keys[slot] = key
+            nexts[slot] = nxt
 
     def _chain(self, budget: int) -> Draft:
         toks, labels = [], []
