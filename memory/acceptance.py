@@ -293,18 +293,22 @@ class TokenAcceptance:
         self.rate: dict[str, float] = {}
         self.count: dict[str, float] = {}
         self.hits: dict[str, float] = {}  # accepted of `count` tested, over the whole life (the EMA forgets)
+        self._resolved: dict[str, float] = {}  # label -> its prior, looked up once (a few dozen labels at most)
 
     def _prior(self, label: str) -> float:
         """The label's own prior if there is one (`MEASURED_TOKEN_PRIORS`), else that of the label without its
         agreement suffix, else its family's ("lookup", "recycling"), else the default."""
-        for key in (label, label.split("/")[0], label.split("@")[0].split(":")[0]):
-            if key in self.priors:
-                return self.priors[key]
-        return self.default
+        p = self._resolved.get(label)
+        if p is None:
+            p = next((self.priors[k] for k in (label, label.split("/")[0], label.split("@")[0].split(":")[0])
+                      if k in self.priors), self.default)
+            self._resolved[label] = p
+        return p
 
     def probs(self, labels: Sequence[str]) -> list[float]:
         """[N] conditional acceptance of each token given all before it were accepted."""
-        return [self.rate.get(x, self._prior(x)) for x in labels]
+        rate = self.rate  # runs every step: the prior only for labels not seen yet
+        return [rate[x] if x in rate else self._prior(x) for x in labels]
 
     def update(self, labels: Sequence[str], accepted: int) -> None:
         """One verified chain: the first `accepted` tokens were accepted, the next one (if any) rejected; tokens
@@ -313,7 +317,7 @@ class TokenAcceptance:
             raise ValueError(f"accepted must be in [0, {len(labels)}] (got {accepted})")
         for j in range(min(accepted + 1, len(labels))):
             x = labels[j]
-            old, n = self.rate.get(x, self._prior(x)), self.count.get(x, 0.0)
+            old, n = (self.rate[x] if x in self.rate else self._prior(x)), self.count.get(x, 0.0)
             w = max(self.beta, 1.0 / (n + self.prior_weight))
             self.rate[x] = old + w * (float(j < accepted) - old)
             self.count[x] = n + 1
