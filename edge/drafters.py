@@ -331,7 +331,7 @@ class RecyclingDrafter:
         before the root (default: the one this drafter tracked, which is only current while it is drafting)."""
         # one numpy call for the rows, plain scalar writes for the rest: this runs right after a target call, when
         # every numpy call costs tens of µs (a fancy-indexed write more than a handful of scalar ones)
-        t = tokens if type(tokens) is list else [int(x) for x in tokens]
+        t = [int(x) for x in tokens]  # Python ints: the pair keys below are hashed with 64-bit wraparound
         top = np.asarray(top_ids)
         self.adj[t] = top if top.shape[1] == self.k else top[:, : self.k]
         seen = self.seen

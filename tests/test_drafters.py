@@ -187,6 +187,21 @@ def test_recycling_pair_table_keys_on_the_token_before():
     assert (d.prev, d.root) == (70, 71)
 
 
+def test_recycling_observe_takes_numpy_ids_like_python_ints():
+    """Token ids given as an int64 array (numpy scalars, whose products would not wrap like the hash needs) fill
+    the same tables as the same ids given as Python ints."""
+    top = np.array([[2, 50], [3, 51], [4, 52]])
+    ids = np.array([40000, 2, 3], np.int64)
+    a = RecyclingDrafter(49152, k=2)
+    a.observe([40000, 2, 3], top, before=49151)
+    for given in (ids, list(ids)):  # an array, and a list of numpy scalars
+        b = RecyclingDrafter(49152, k=2)
+        b.observe(given, top, before=np.int64(49151))
+        for x, y in ((a.adj, b.adj), (a.seen, b.seen), (a.pair_key, b.pair_key), (a.pair_next, b.pair_next)):
+            assert np.array_equal(x, y)
+        assert b.pair_successor(49151, 40000) == 2 and b.pair_successor(2, 3) == 4
+
+
 def test_recycling_pair_table_is_bounded_and_evicts_without_lying():
     """A fixed number of slots (memory stays under 2 MB at this vocabulary with the [V, k] matrix); a newer pair
     that hashes to an occupied slot evicts the older one, which then reads as unknown, never as another's id."""
