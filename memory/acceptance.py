@@ -305,10 +305,13 @@ class TokenAcceptance:
             self._resolved[label] = p
         return p
 
+    def _rate(self, label: str) -> float:
+        """The label's current rate; its prior until it has been tested (looked up only then: this runs every step)."""
+        return self.rate[label] if label in self.rate else self._prior(label)
+
     def probs(self, labels: Sequence[str]) -> list[float]:
         """[N] conditional acceptance of each token given all before it were accepted."""
-        rate = self.rate  # runs every step: the prior only for labels not seen yet
-        return [rate[x] if x in rate else self._prior(x) for x in labels]
+        return [self._rate(x) for x in labels]
 
     def update(self, labels: Sequence[str], accepted: int) -> None:
         """One verified chain: the first `accepted` tokens were accepted, the next one (if any) rejected; tokens
@@ -317,7 +320,7 @@ class TokenAcceptance:
             raise ValueError(f"accepted must be in [0, {len(labels)}] (got {accepted})")
         for j in range(min(accepted + 1, len(labels))):
             x = labels[j]
-            old, n = (self.rate[x] if x in self.rate else self._prior(x)), self.count.get(x, 0.0)
+            old, n = self._rate(x), self.count.get(x, 0.0)
             w = max(self.beta, 1.0 / (n + self.prior_weight))
             self.rate[x] = old + w * (float(j < accepted) - old)
             self.count[x] = n + 1
