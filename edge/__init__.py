@@ -68,6 +68,8 @@ def load(model_dir: str | os.PathLike | None = None, drafter: str = "auto", devi
     edge-profile calibration JSON for the planner (default: the one `edge-profile --install` left for this model).
     `verify`: "fast" checks every file's size and the sha256 of the small ones; "sha256" hashes everything (0.5 s
     for the embedded model), "size" only sizes."""
+    if budget_mb is not None and (isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float))):
+        raise EngineError(f"budget_mb must be a number of megabytes (got {budget_mb!r})")
     if budget_mb is not None and not budget_mb > 0:
         raise EngineError(f"budget_mb must be positive (got {budget_mb})")
     d = Path(model_dir) if model_dir is not None else ensure_default_model(progress)

@@ -459,6 +459,8 @@ class Engine:
         if isinstance(prompt_or_messages, str):
             if raw:
                 return self.codec.encode(prompt_or_messages)
+            if not prompt_or_messages.strip():  # the REPL skips blank lines; the API says why instead of answering
+                raise EngineError("empty prompt: nothing to answer")
             msgs = [{"role": "user", "content": prompt_or_messages}]
         elif isinstance(prompt_or_messages, (list, tuple)):
             msgs = list(prompt_or_messages)
@@ -587,8 +589,10 @@ class Engine:
             raise EngineError("empty prompt: nothing to continue from")
         room = self.context - len(ids)
         if room < 1:
-            raise EngineError(f"prompt is {len(ids)} tokens but the context holds {self.context}; "
-                              "shorten it (or load with a larger context)")
+            more = self.manifest.target.max_len
+            raise EngineError(f"prompt is {len(ids)} tokens but the context holds {self.context}; shorten it"
+                              + (f" (or load with a larger context, up to {more}: edge.load(context=N), edge-chat "
+                                 "--context N)" if more > self.context else ""))
         p.check(room)
         rng = np.random.default_rng(p.seed)
         end = len(ids) + p.max_tokens
@@ -619,13 +623,16 @@ class Engine:
             new, n_drafted, root = [first], 0, first
             while True:
                 # ---- emit what the last step produced (EOS, limits, stop strings)
-                finish = None
+                finish, verified = None, len(new)
                 for j, t in enumerate(new):
                     if t in self.eos:
                         new, finish = new[: j + 1], "stop"
                         break
                 if len(out) + len(new) >= p.max_tokens:
                     new, finish = new[: p.max_tokens - len(out)], finish or "length"
+                if len(new) < verified:  # accepted drafts after an EOS are verified but never emitted: not counted
+                    st.accepted -= n_drafted - min(n_drafted, len(new))
+                    n_drafted = min(n_drafted, len(new))
                 out += new
                 st.generated = len(out)
                 text += dec.push([t for t in new if t not in self.eos])  # ids keep EOS; text does not
@@ -698,7 +705,8 @@ class Engine:
         p = GenerationParams(**_normalize(kw))
         ids = self.encode(prompt_or_messages, raw=raw)
         if not self._lock.acquire(blocking=False):
-            raise EngineBusy("this engine is generating in another thread; serialize calls or load a second engine")
+            raise EngineBusy("this engine is already generating (in another thread, or an earlier stream() not yet "
+                             "finished or closed); serialize calls or load a second engine")
         try:
             yield from self._run(ids, p)
         finally:
@@ -790,8 +798,11 @@ class Chat:
         self.engine.reset(keep_drafter_state)
 
     def send(self, text: str, **kw) -> Iterator[Chunk]:
+        if not isinstance(text, str) or not text.strip():
+            raise EngineError("empty message: nothing to answer")
         if not self._lock.acquire(blocking=False):
-            raise EngineBusy("this chat is answering in another thread; one turn at a time")
+            raise EngineBusy("this chat is already answering (in another thread, or an earlier send() not yet finished or "
+                             "closed); one turn at a time")
         kept, dropped = list(self.messages), self.dropped
         try:
             self.messages.append({"role": "user", "content": text})

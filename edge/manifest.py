@@ -174,6 +174,8 @@ def load_manifest(model_dir: str | os.PathLike, verify: str = "size") -> Manifes
         raise ValueError(f"verify={verify!r}: choose one of {', '.join(VERIFY_LEVELS)}")
     model_dir = Path(model_dir)
     path = model_dir / MANIFEST_NAME
+    if model_dir.exists() and not model_dir.is_dir():
+        raise ModelDirError(f"{model_dir} is a file, not a model directory (give the folder edge-export wrote)")
     if not model_dir.is_dir():
         raise ModelDirError(f"{model_dir}: no such model directory (export one with: edge-export CHECKPOINT -o {model_dir})")
     if not path.is_file() and _looks_like_checkpoint(model_dir):

@@ -359,6 +359,13 @@ def test_eos_is_a_token_not_text(tiny_dir, drafter):
     r = e.generate(p, max_tokens=30, drafter=drafter, draft_len=4)
     assert r.finish_reason == "stop" and r.token_ids == ref[: j + 1]
     assert r.text == e.codec.decode(ref[:j])
+    # drafts accepted after the EOS are never emitted, so they are not counted: a chunk's drafted never exceeds
+    # its tokens, and the answer's accepted drafts are the chunks' (a first token plus <= 1 bonus per step)
+    chunks = list(e.stream(p, max_tokens=30, drafter=drafter, draft_len=4))
+    st = e.last_stats
+    assert all(c.drafted <= len(c.token_ids) for c in chunks)
+    assert st.accepted == sum(c.drafted for c in chunks) <= st.generated - 1
+    assert st.generated - 1 - st.accepted <= st.steps
 
 
 def test_adaptive_length_keeps_probing_a_drafter_it_switched_off(tiny_dir):
@@ -572,3 +579,32 @@ def test_exports_from_before_the_head_still_decode_and_sample(tiny_dir, engine, 
             engine.generate(PROMPTS[2], max_tokens=16, drafter=drafter).token_ids
     r = old.generate(PROMPTS[2], max_tokens=16, temperature=0.8, top_k=5, seed=4, drafter="recycling")
     assert r.stats.steps > 0 and old.head_hits == 0 and old.head_misses > 0  # p from the logits, as before
+
+
+def test_blank_prompts_are_refused(engine):
+    """A blank question is refused with a reason (edge-chat's REPL skips blank lines; the API said nothing and
+    answered a template with an empty user turn)."""
+    for bad in ("", "   \n"):
+        with pytest.raises(EngineError, match="empty prompt"):
+            engine.generate(bad, max_tokens=4)
+        with pytest.raises(EngineError, match="empty message"):
+            engine.chat().ask(bad, max_tokens=4)
+    assert engine.generate("hi", max_tokens=2).token_ids  # a real question still goes through
+
+
+def test_load_names_what_is_wrong_with_its_arguments(tmp_path):
+    f = tmp_path / "model.onnx"
+    f.write_text("not a directory")
+    with pytest.raises(ModelDirError, match="is a file, not a model directory"):
+        edge.load(f)
+    with pytest.raises(EngineError, match="budget_mb must be a number"):
+        edge.load(tmp_path, budget_mb="600")
+
+
+def test_an_unfinished_stream_makes_the_next_call_busy_and_says_so(engine):
+    s = engine.stream("hi", max_tokens=8)
+    next(s)
+    with pytest.raises(EngineBusy, match="earlier stream"):
+        engine.generate("hi", max_tokens=2)
+    s.close()
+    assert engine.generate("hi", max_tokens=2).token_ids
