@@ -48,6 +48,35 @@ def positive_float(text: str) -> float:
     return x
 
 
+def non_negative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= x < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return x
+
+
+def unit_fraction(text: str) -> float:
+    """argparse type: a number in (0, 1] (a probability mass such as top-p)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]")
+    return x
+
+
+def non_empty(text: str) -> str:
+    """argparse type: a non-empty string."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
 def messages(prompt: str, system: str | None = None) -> list[dict]:
     """One question as chat messages, after the --system prompt if there is one."""
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
@@ -103,12 +132,16 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", metavar="DIR", help="exported model directory (edge-export); default: embedded model")
     add_engine_args(ap)
-    ap.add_argument("--temp", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
-    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off (default)")
-    ap.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
-    ap.add_argument("--max-tokens", type=int, default=512, help="maximum tokens per answer (default 512)")
-    ap.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    # generation flags are checked here, before a model load that can take minutes on first run
+    ap.add_argument("--temp", type=non_negative_float, default=0.0,
+                    help="sampling temperature; 0 = greedy (default 0)")
+    ap.add_argument("--top-p", type=unit_fraction, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
+    ap.add_argument("--top-k", type=non_negative_int, default=0,
+                    help="sample among the k most likely tokens; 0 = off (default)")
+    ap.add_argument("--seed", type=non_negative_int, default=None, help="random seed for sampling (default: random)")
+    ap.add_argument("--max-tokens", type=positive_int, default=512, help="maximum tokens per answer (default 512)")
+    ap.add_argument("--stop", action="append", type=non_empty, default=[], metavar="TEXT",
+                    help="stop string (repeatable)")
     ap.add_argument("--system", help="system prompt (for the REPL and --prompt); without it the model's chat "
                                      "template decides (SmolLM2's adds its own default)")
     ap.add_argument("--overflow", choices=["refuse", "drop_oldest"], default="refuse",
@@ -116,7 +149,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--plan", action="store_true",
                     help="print the memory plan (drafter, K / tree nodes, predicted peak MB for plain and "
                          "speculative decoding, both lower bounds) for --device/--budget-mb/--context and exit "
-                         "without loading the model")
+                         "without loading the model; exit status 0 when the plan fits the budget, 3 when it does not")
     ap.add_argument("--prompt", help="answer this one prompt and exit (no REPL)")
     ap.add_argument("--json", action="store_true",
                     help="with --prompt: print one JSON object (text, token ids, prefill ms, decode tokens/s, "
@@ -247,8 +280,40 @@ def _print_plan(a) -> int:
     return 0 if rep["fits"] else 3
 
 
+def was_interrupted(e: BaseException) -> bool:
+    """Ctrl-C, or an import that failed because Ctrl-C hit it (onnxruntime's module init re-raises it as
+    ImportError)."""
+    while e is not None:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def main(argv=None) -> int:
-    a = _parser().parse_args(argv)
+    ap = _parser()
+    a = ap.parse_args(argv)
+    if a.json and a.prompt is None and not a.plan:
+        ap.error("--json needs --prompt (or --plan)")
+    if a.simulate and a.device is None:
+        ap.error("--simulate runs a --device profile on the CPU: give --device")
+    if a.prompt is not None and not a.prompt.strip():
+        ap.error("--prompt is empty")
+    try:
+        return _main(a)
+    except BrokenPipeError:  # stdout closed early (edge-chat ... | head): stop quietly, as a SIGPIPE'd tool would
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 141
+    except (KeyboardInterrupt, ImportError) as e:
+        if not was_interrupted(e):
+            raise
+        print("\nedge-chat: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(a) -> int:
     import edge
     from edge import EngineError, ModelDirError
 
@@ -264,28 +329,42 @@ def main(argv=None) -> int:
             print(f"edge-chat: error: {problem}", file=sys.stderr)
             return 2
         if a.prompt is None:
-            if a.json:
-                print("edge-chat: error: --json needs --prompt", file=sys.stderr)
-                return 2
             return _repl(engine, a)
         if a.json:
-            r = engine.generate(messages(a.prompt, a.system), **_params(a), drafter=a.drafter)
-            out = _result_json(r, r.stats)
-            out["load_s"] = round(load_s, 2)
-            print(json.dumps(out))
-        else:
-            for ch in engine.stream(messages(a.prompt, a.system), **_params(a), drafter=a.drafter):
-                sys.stdout.write(ch.text)
-                sys.stdout.flush()
-            print()
-            print(_stats_line(engine.last_stats), file=sys.stderr)
+            return _answer_json(engine, a, load_s)
+        for ch in engine.stream(messages(a.prompt, a.system), **_params(a), drafter=a.drafter):
+            sys.stdout.write(ch.text)
+            sys.stdout.flush()
+        print(flush=True)  # a closed pipe shows here, inside main(), not at interpreter exit
+        print(_stats_line(engine.last_stats), file=sys.stderr)
         return 0
     except (EngineError, ModelDirError, ValueError) as e:
         print(f"edge-chat: error: {e}", file=sys.stderr)
         return 2
+
+
+def _answer_json(engine, a, load_s: float) -> int:
+    """--prompt --json: one JSON object; after Ctrl-C it still comes, with what was generated so far and
+    finish_reason "interrupted" (exit status 130)."""
+    from .engine import GenerationResult, Stats
+
+    text, ids, finish, stats, rc = [], [], "length", None, 0
+    stream = engine.stream(messages(a.prompt, a.system), **_params(a), drafter=a.drafter)
+    try:
+        for ch in stream:
+            stats = stats or engine.last_stats  # this request's, read while it holds the engine
+            text.append(ch.text)
+            ids += ch.token_ids
+            finish = ch.finish_reason or finish
     except KeyboardInterrupt:
+        stream.close()  # rolls the KV cache back and fills in the counters of what ran
+        finish, rc = "interrupted", 130
         print("\nedge-chat: interrupted", file=sys.stderr)
-        return 130
+    st = stats or engine.last_stats or Stats()  # interrupted before the first step: nothing ran yet
+    out = _result_json(GenerationResult("".join(text), ids, finish, st), st)
+    out["load_s"] = round(load_s, 2)
+    print(json.dumps(out), flush=True)
+    return rc
 
 
 if __name__ == "__main__":

@@ -108,9 +108,56 @@ def test_chat_bad_model_dir_is_one_clear_line(tmp_path):
     assert r.stderr.strip().startswith("edge-chat: error:") and "edge-export" in r.stderr
 
 
-def test_chat_bad_sampling_values(model):
-    r = _run(["edge.cli", "--model", model, "--prompt", "hi", "--temp", "-1", "--context", "256"])
-    assert r.returncode == 2 and "temperature" in r.stderr and "Traceback" not in r.stderr
+@pytest.mark.parametrize("flags,needle", [
+    (["--temp", "-1"], "--temp"), (["--temp", "inf"], "--temp"), (["--top-p", "0"], "--top-p"),
+    (["--top-p", "1.5"], "--top-p"), (["--top-k", "-2"], "--top-k"), (["--seed", "-1"], "--seed"),
+    (["--max-tokens", "0"], "--max-tokens"), (["--stop", ""], "--stop"), (["--json"], "--json needs --prompt"),
+    (["--simulate"], "--simulate runs a --device profile"), (["--prompt", "  "], "--prompt is empty"),
+])
+def test_chat_bad_generation_flags_fail_before_loading(tmp_path, flags, needle):
+    """Each is refused by the flag's name before the model loads (a first run's export takes minutes; the REPL
+    used to start and then refuse every question): the model directory given does not even exist."""
+    args = ["edge.cli", "--model", str(tmp_path / "absent"), *flags]
+    if "--prompt" not in flags and "--json" not in flags:
+        args += ["--prompt", "hi"]
+    r = _run(args)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert needle in r.stderr and "no such model directory" not in r.stderr, r.stderr
+
+
+def test_chat_output_closed_early_is_quiet(model):
+    """`edge-chat --prompt ... | head -c 5`: the closed pipe ends the answer without a traceback."""
+    p = subprocess.Popen([sys.executable, "-m", "edge.cli", "--model", model, "--prompt", "the quick brown fox",
+                          "--max-tokens", "64", "--drafter", "none", "--context", "256"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**__import__("os").environ,
+                                                                             "HF_HUB_OFFLINE": "1"})
+    p.stdout.read(1)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_chat_json_interrupted_still_prints_what_ran(monkeypatch, capsys):
+    """--prompt --json after Ctrl-C: one JSON object with the text so far and finish_reason "interrupted", exit
+    130 (it printed nothing before)."""
+    import argparse
+
+    from edge import cli
+    from edge.engine import Chunk, Stats
+
+    class Engine:
+        last_stats = None
+
+        def stream(self, *a, **kw):
+            self.last_stats = Stats(generated=2, steps=1, drafter="none")
+            yield Chunk("Hello", [5, 6], 0)
+            raise KeyboardInterrupt
+
+    a = argparse.Namespace(prompt="hi", system=None, drafter="none", max_tokens=8, temp=0.0, top_p=1.0, top_k=0,
+                           seed=None, stop=[])
+    assert cli._answer_json(Engine(), a, 0.5) == 130
+    out = json.loads(capsys.readouterr().out)
+    assert out["text"] == "Hello" and out["token_ids"] == [5, 6] and out["finish_reason"] == "interrupted"
 
 
 def test_bench_writes_json_and_markdown(model, tmp_path):
