@@ -572,10 +572,23 @@ def main(argv=None) -> int:
         print(f"edge-serve: error: {problem}", file=sys.stderr)
         return 2
     app = create_app(engine, max_queue=a.max_queue, reuse=not a.no_reuse, default_max_tokens=a.max_tokens)
+    sockets, port = None, a.port
+    if port == 0:  # any free port: bound here, so the address printed below is the one that serves
+        import socket
+
+        family, _, _, _, addr = socket.getaddrinfo(a.host, 0, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind(addr)
+        sockets, port = [sock], sock.getsockname()[1]
     url_host = f"[{a.host}]" if ":" in a.host else a.host
     print(f"edge-serve: {engine.manifest.name} (drafter {engine.default_drafter}, context {engine.context}) on "
-          f"http://{url_host}:{a.port}/v1", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.log_level in ("debug", "info"))
+          f"http://{url_host}:{port}/v1", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=a.host, port=port, log_level=a.log_level,
+                            access_log=a.log_level in ("debug", "info"))
+    try:
+        uvicorn.Server(config).run(sockets=sockets)
+    except KeyboardInterrupt:  # Ctrl-C after its graceful shutdown (uvicorn.run swallows it the same way)
+        pass
     return 0
 
 

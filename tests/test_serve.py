@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -487,3 +488,24 @@ def test_context_too_small_for_any_chat_is_refused_at_start(tiny_dir):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "--context 5 cannot hold a chat" in r.stderr and "short exchanges need" in r.stderr, r.stderr
     assert " on http://" not in r.stderr
+
+
+def test_port_zero_announces_the_port_it_serves_on(tiny_dir):
+    """--port 0 takes any free port; the start-up line names that port (it printed ":0") and /health answers there."""
+    script = Path(sys.executable).with_name("edge-serve")
+    proc = subprocess.Popen([str(script), "--model-dir", str(tiny_dir), "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r" on http://127\.0\.0\.1:(\d+)/v1", line)
+        assert m and int(m.group(1)) > 0, line
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert _get(int(m.group(1)), "/health")[0] == 200
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "edge-serve did not answer /health"
+                time.sleep(0.1)
+    finally:
+        _stop_server(proc)
