@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import non_negative_int, positive_int
+from .cli import was_interrupted, non_negative_int, positive_int
 from .files import unwritable
-from .peer import PEER_MODES, PEER_REFERENCE, Peer, PeerError
+from .peer import PEER_MODES, PEER_REFERENCE, Peer, PeerError, model_dir_problem
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "public.jsonl"
 
@@ -73,35 +73,51 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-ITEM_SHAPE = "expected {'id', 'category', 'turns': [str, ...]}"
+ITEM_SHAPE = "expected {'id': str or int, 'category': str, 'turns': [str, ...]}"
 
 
 def read_workload(path: str | Path) -> list[dict]:
-    """Every item of a JSONL prompt file, checked: an object with an "id", a non-empty list of string "turns" and
-    an optional string "category"; a bad line raises ValueError naming the file and line."""
+    """Every item of a JSONL prompt file, checked: an object with a unique string or integer "id", a non-empty list
+    of string "turns" and an optional string "category"; a bad line raises ValueError naming the file and line."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"prompt file {p} not found; pass a JSONL file of "
                                 '{"id": ..., "category": ..., "turns": ["..."]} as the first argument')
-    items = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    items, seen = [], {}
+    for n, raw in enumerate(p.read_bytes().splitlines(), 1):
+        try:
+            line = raw.decode()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{p}:{n}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                             "save the file as UTF-8") from None
         if not line.strip():
             continue
         try:
             it = json.loads(line)
         except ValueError as e:
             raise ValueError(f"{p}:{n}: not JSON ({e})") from None
-        ok = isinstance(it, dict) and "id" in it and isinstance(it.get("category", "?"), str) \
-            and isinstance(it.get("turns"), list) and it["turns"] and all(isinstance(t, str) for t in it["turns"])
+        ok = isinstance(it, dict) and isinstance(it.get("id"), (str, int)) and not isinstance(it["id"], bool) \
+            and isinstance(it.get("category", "?"), str) and isinstance(it.get("turns"), list) and it["turns"] \
+            and all(isinstance(t, str) for t in it["turns"])
         if not ok:
             raise ValueError(f"{p}:{n}: {ITEM_SHAPE}")
+        if it["id"] in seen:  # results are grouped by id: a second prompt would pass for a repeat of the first
+            raise ValueError(f"{p}:{n}: id {it['id']!r} is already used on line {seen[it['id']]}; give every "
+                             "prompt its own id")
+        seen[it["id"]] = n
         items.append(it)
     return items
 
 
-def _load_items(path: str, limit: int, cats: str | None) -> list[dict]:
-    items = read_workload(path)
-    want = set(cats.split(",")) if cats else None
+def _select_items(items: list[dict], path: str, limit: int, cats: str | None) -> list[dict]:
+    """Up to `limit` items of each wanted category (0: all), grouped by category; an unknown category raises
+    ValueError naming the ones the file has."""
+    want = {c.strip() for c in cats.split(",") if c.strip()} if cats else None
+    have = sorted({it.get("category", "?") for it in items})
+    unknown = sorted(want - set(have)) if want else []
+    if unknown:
+        raise ValueError(f"--categories {','.join(unknown)}: {path} has no such category; it has "
+                         f"{', '.join(have)}")
     by: dict[str, list] = {}
     for it in items:
         c = it.get("category", "?")
@@ -289,6 +305,16 @@ def markdown(summary: dict, modes: list[str], peer: dict | None = None) -> str:
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
+    try:
+        return _main(a)
+    except (KeyboardInterrupt, ImportError) as e:  # Ctrl-C while loading or warming up; _bench catches later ones
+        if not was_interrupted(e):
+            raise
+        print("edge-bench: interrupted before any run finished; nothing written", file=sys.stderr)
+        return 130
+
+
+def _main(a) -> int:
     import edge
     from edge import EngineError, ModelDirError
 
@@ -303,11 +329,19 @@ def main(argv=None) -> int:
         return 2
     if "none" not in modes:
         modes.insert(0, "none")  # the reference every other mode is compared with
+    if a.second_turn is not None and not a.second_turn.strip():
+        print("edge-bench: error: --second-turn is empty: pass the text to send after each first answer "
+              "(e.g. --second-turn 'Now make it shorter'), or leave the flag out", file=sys.stderr)
+        return 2
     if a.peer_python and not a.peer_model:
         print("edge-bench: error: --peer-python needs --peer-model (the onnxruntime-genai model folder)",
               file=sys.stderr)
         return 2
     if a.peer_model:
+        problem = model_dir_problem(a.peer_model)
+        if problem:  # found before loading anything or starting the worker
+            print(f"edge-bench: error: --peer-model {a.peer_model}: {problem}", file=sys.stderr)
+            return 2
         if a.temp > 0:
             print("edge-bench: error: --peer-model times greedy decoding only; drop --temp", file=sys.stderr)
             return 2
@@ -328,9 +362,14 @@ def main(argv=None) -> int:
         print(f"edge-bench: error: --out {a.out}: {problem}", file=sys.stderr)
         return 2
     try:
-        items = _load_items(a.prompts, a.limit, a.categories)
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+        items = read_workload(a.prompts)
+    except (OSError, ValueError) as e:
         print(f"edge-bench: error: cannot read prompts: {e}", file=sys.stderr)
+        return 2
+    try:
+        items = _select_items(items, a.prompts, a.limit, a.categories)
+    except ValueError as e:
+        print(f"edge-bench: error: {e}", file=sys.stderr)
         return 2
     if not items:
         print(f"edge-bench: error: no prompts selected from {a.prompts}", file=sys.stderr)
@@ -344,19 +383,16 @@ def main(argv=None) -> int:
         print(f"edge-bench: error: {e}", file=sys.stderr)
         return 2
     peer = None
-    if a.peer_model:
-        try:
-            peer = Peer(a.peer_python or sys.executable, a.peer_model, a.threads)
-            _run_peer(peer, engine, items[0], "genai", a)  # warm-up: a peer that loads but cannot answer fails here
-        except (PeerError, KeyboardInterrupt) as e:
-            if peer:
-                peer.close()
-            why = "interrupted" if isinstance(e, KeyboardInterrupt) else f"error: --peer-model {a.peer_model}: {e}"
-            print(f"edge-bench: {why}", file=sys.stderr)
-            return 2
     try:
+        if a.peer_model:
+            try:
+                peer = Peer(a.peer_python or sys.executable, a.peer_model, a.threads)
+                _run_peer(peer, engine, items[0], "genai", a)  # warm-up: a peer that loads but cannot answer fails
+            except PeerError as e:
+                print(f"edge-bench: error: --peer-model {a.peer_model}: {e}", file=sys.stderr)
+                return 2
         return _bench(a, engine, items, modes, peer, out, md_out)
-    finally:
+    finally:  # Ctrl-C included: no worker left behind
         if peer:
             peer.close()
 
@@ -364,21 +400,22 @@ def main(argv=None) -> int:
 def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, out: Path, md_out: Path) -> int:
     from .cli import peak_rss_mb
 
+    runs = []
+    fresh = engine.drafter_state()
+    _run_one(engine, items[0], "none", a)  # warm-up (Ctrl-C here reaches main: nothing ran yet)
+    engine.set_drafter_state(fresh)
+    total, done = a.reps * len(items) * len(modes), 0
     bar = None
     if not a.quiet:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=a.reps * len(items) * len(modes), desc="edge-bench", file=sys.stderr)
+            bar = tqdm(total=total, desc="edge-bench", file=sys.stderr)
         except ImportError:
             pass
-    runs = []
-    fresh = engine.drafter_state()
-    _run_one(engine, items[0], "none", a)  # warm-up
-    engine.set_drafter_state(fresh)
     learned: dict[str, tuple[float, float]] = {}  # label -> (accepted, tested) over every speculative run
     t0 = time.time()
-    peer_failed = False
+    peer_failed = interrupted = False
     try:
         for i, it in enumerate(items):
             # every run of this prompt drafts from what the earlier prompts taught (a long-running assistant's
@@ -396,16 +433,21 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
                     if m not in PEER_MODES and m != "none":  # what this prompt taught the drafters (plain
                         after = after or engine.drafter_state()  # decoding and the peer teach them nothing)
                     _add_learned(learned, tested, engine.token_acceptance.tested())
+                    done += 1
                     if bar:
                         bar.update(1)
             engine.set_drafter_state(after or before)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # what ran is kept; the exit code and an "interrupted" field say it is incomplete
         print("edge-bench: interrupted; summarizing what ran", file=sys.stderr)
+        interrupted = True
     except PeerError as e:  # what ran is kept, and the exit code says the run is incomplete
         print(f"edge-bench: error: the peer failed ({e}); summarizing what ran", file=sys.stderr)
         peer_failed = True
     if bar:
         bar.close()
+    if not runs:  # an empty table must not replace the results of an earlier run
+        print(f"edge-bench: no run finished; {out} and {md_out} left as they were", file=sys.stderr)
+        return 130 if interrupted else 1
     summary = summarize(runs, modes, greedy=a.temp == 0)
     vs_peer = versus_peer(runs, modes) if peer else None
     m = engine.manifest
@@ -413,7 +455,8 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
     doc = {"summary": summary, "modes": modes, "reps": a.reps, "max_tokens": a.max_tokens,
            "model": m.name, "precision": m.target.precision, "threads": a.threads,
            "peak_rss_mb": round(peak_rss_mb(), 1), "wall_s": round(time.time() - t0, 1),
-           "min_call": engine.target.min_call, "cold": a.cold,
+           "min_call": engine.target.min_call, "cold": a.cold, "interrupted": interrupted,
+           "runs_done": done, "runs_planned": total,
            "sampling": None if a.temp == 0 else {
                "temperature": a.temp, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed,
                # rows whose p the on-graph head gave (kernels/postprocess.py); the rest came from the logits
@@ -427,6 +470,8 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
     md = markdown(summary, modes, vs_peer)
     if a.temp > 0:
         md += f"\n\nSampled at temperature {a.temp}, top-p {a.top_p}, top-k {a.top_k or 'off'}, seed {a.seed} + repeat."
+    if interrupted:
+        md += f"\n\nInterrupted: {done} of {total} runs (prompt × mode × repeat) finished; the table shows those."
     try:
         out.write_text(json.dumps(doc))
         md_out.write_text(md + "\n")
@@ -440,7 +485,7 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
         return 1
     print(json.dumps({"summary": summary, "versus_peer": vs_peer, "peak_rss_mb": doc["peak_rss_mb"]}, indent=1))
     print(md)
-    return 1 if peer_failed else 0
+    return 130 if interrupted else 1 if peer_failed else 0
 
 
 def _outputs(path: str) -> tuple[Path, Path]:

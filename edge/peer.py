@@ -18,6 +18,18 @@ class PeerError(RuntimeError):
     pass
 
 
+def model_dir_problem(model_dir: str) -> str | None:
+    """Why `model_dir` cannot be a peer model folder, found before a worker starts (its first complaint would be
+    whatever fails first there, e.g. a missing onnxruntime_genai); None when it is a folder."""
+    p = Path(model_dir)
+    fix = "pass the folder onnxruntime-genai's model builder wrote (../shared/peers/README.md)"
+    if not p.exists():
+        return f"no such folder, so onnxruntime-genai cannot load it; {fix}"
+    if not p.is_dir():
+        return f"not a folder, so onnxruntime-genai cannot load it; {fix}"
+    return None
+
+
 class Peer:
     """One worker process; `run` answers one prompt greedily, plainly or with the peer's n-gram speculation."""
 
@@ -32,8 +44,8 @@ class Peer:
             ready = self._read().get("ready")
             if ready is None:
                 raise PeerError("the peer worker did not say it was ready")
-        except PeerError:
-            self.close()  # no worker or temporary file left behind
+        except BaseException:  # a PeerError or Ctrl-C: no worker or temporary file left behind
+            self.close()
             raise
         self.version = ready
 

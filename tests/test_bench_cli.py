@@ -1,0 +1,145 @@
+"""edge-bench's refusals and interruptions, run in-process on the tiny exported model (edge.bench.main)."""
+import json
+
+import pytest
+
+from edge import bench
+
+
+@pytest.fixture(scope="module")
+def model(exported_llama):
+    return str(exported_llama[0])
+
+
+def _prompts(tmp_path, items, name="p.jsonl"):
+    f = tmp_path / name
+    f.write_text("".join(json.dumps(it) + "\n" for it in items))
+    return f
+
+
+TWO = [{"id": "x0", "category": "qa", "turns": ["the quick brown fox"]},
+       {"id": "x1", "category": "code", "turns": ["def add(a, b):"]}]
+
+
+def _main(args, capsys):
+    """edge.bench.main's exit code and stderr; a Ctrl-C that escapes it fails the test instead of ending pytest."""
+    try:
+        rc = bench.main(args)
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped edge.bench.main (a traceback for the user)")
+    return rc, capsys.readouterr().err
+
+
+def _ctrl_c_after(monkeypatch, calls):
+    """_run_one answers `calls` times (the first is the warm-up), then raises KeyboardInterrupt as Ctrl-C would."""
+    real, n = bench._run_one, [0]
+
+    def run_one(*args, **kw):
+        n[0] += 1
+        if n[0] > calls:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(bench, "_run_one", run_one)
+
+
+def test_interrupted_midway_writes_what_ran_marked_incomplete_exit_130(model, tmp_path, capsys, monkeypatch):
+    prompts, out = _prompts(tmp_path, TWO), tmp_path / "b.json"
+    args = [str(prompts), "--model", model, "--reps", "1", "--max-tokens", "4", "--modes", "none,lookup",
+            "--out", str(out), "--quiet"]
+    rc, err = _main(args, capsys)  # complete: not marked
+    assert rc == 0 and json.loads(out.read_text())["interrupted"] is False, err
+    assert "Interrupted" not in out.with_suffix(".md").read_text()
+    _ctrl_c_after(monkeypatch, 3)  # warm-up, then the two modes of x1 (categories run in sorted order)
+    rc, err = _main(args, capsys)
+    assert rc == 130 and "interrupted; summarizing what ran" in err, err
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is True and doc["runs_done"] == 2 and doc["runs_planned"] == 4
+    assert {r["id"] for r in doc["runs"]} == {"x1"} and set(doc["summary"]) == {"code"}
+    assert "Interrupted: 2 of 4 runs" in out.with_suffix(".md").read_text()
+
+
+def test_interrupted_before_any_run_keeps_earlier_outputs(model, tmp_path, capsys, monkeypatch):
+    """Ctrl-C after the warm-up but before a run finished: the results of an earlier bench stay, and it says so."""
+    prompts, out = _prompts(tmp_path, TWO), tmp_path / "b.json"
+    out.write_text('{"earlier": 1}')
+    out.with_suffix(".md").write_text("earlier table\n")
+    _ctrl_c_after(monkeypatch, 1)
+    rc, err = _main([str(prompts), "--model", model, "--reps", "1", "--max-tokens", "4", "--modes", "none",
+                     "--out", str(out), "--quiet"], capsys)
+    assert rc == 130 and "no run finished" in err and "left as they were" in err, err
+    assert out.read_text() == '{"earlier": 1}' and out.with_suffix(".md").read_text() == "earlier table\n"
+
+
+def test_interrupted_during_warm_up_is_one_line_exit_130(model, tmp_path, capsys, monkeypatch):
+    prompts, out = _prompts(tmp_path, TWO), tmp_path / "b.json"
+    _ctrl_c_after(monkeypatch, 0)
+    rc, err = _main([str(prompts), "--model", model, "--reps", "1", "--max-tokens", "4", "--modes", "none",
+                     "--out", str(out), "--quiet"], capsys)
+    assert rc == 130 and err.strip() == "edge-bench: interrupted before any run finished; nothing written", err
+    assert not out.exists()
+
+
+def test_interrupted_while_loading_is_one_line_exit_130(tmp_path, capsys, monkeypatch):
+    """Ctrl-C inside an import (onnxruntime's module init turns it into ImportError) or edge.load."""
+    import edge
+
+    def load(*a, **k):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise ImportError("interrupted import") from e
+
+    monkeypatch.setattr(edge, "load", load)
+    rc, err = _main([str(_prompts(tmp_path, TWO)), "--out", str(tmp_path / "b.json"), "--quiet"], capsys)
+    assert rc == 130 and "interrupted" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("lines,needle", [
+    ([b'{"id": "a", "category": "c", "turns": ["hi"]}', b'{"id": "b", "category": "c", "turns": ["yo"]}',
+      b'{"id": "a", "category": "c", "turns": ["other"]}'], "p.jsonl:3: id 'a' is already used on line 1"),
+    ([b'{"id": 7, "turns": ["hi"]}', b'{"id": 7, "turns": ["yo"]}'], "p.jsonl:2: id 7 is already used on line 1"),
+    ([b'{"id": "a", "turns": ["hi"]}', b'\xff\xfe{"id": "b"}'], "p.jsonl:2: not UTF-8 text (byte 0xff at column 1)"),
+    ([b'{"id": ["a"], "turns": ["hi"]}'], "p.jsonl:1: expected"),  # an id that cannot name a prompt
+])
+def test_read_workload_names_the_file_and_line(tmp_path, lines, needle):
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(ValueError) as e:
+        bench.read_workload(f)
+    assert str(f) in str(e.value) and needle in str(e.value), e.value
+
+
+def test_unreadable_prompt_file_is_one_line_naming_it(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_bytes(b"\xff\xfe\n")
+    rc, err = _main([str(f), "--model", str(tmp_path / "nomodel"), "--out", str(tmp_path / "b.json")], capsys)
+    assert rc == 2 and f"{f}:1: not UTF-8 text" in err, err
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--categories", "nope"], "--categories nope: {p} has no such category; it has code, qa"),
+    (["--categories", "qa,nope,"], "--categories nope:"),
+    (["--second-turn", ""], "--second-turn is empty"),
+    (["--second-turn", "  "], "--second-turn is empty"),
+    (["--peer-model", "{tmp}/nonexistent"], "--peer-model {tmp}/nonexistent: no such folder"),
+    (["--peer-model", "{p}"], "--peer-model {p}: not a folder"),
+])
+def test_bad_flags_are_refused_before_running(tmp_path, capsys, monkeypatch, flags, needle):
+    """Refused before loading the model or starting a peer worker, naming what exists or what to pass."""
+    import edge
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded the model before refusing the flags")
+
+    def no_peer(*a, **k):
+        raise AssertionError("started a peer worker before checking its folder")
+
+    monkeypatch.setattr(edge, "load", no_load)
+    monkeypatch.setattr(bench, "Peer", no_peer)
+    prompts = _prompts(tmp_path, TWO)
+    flags = [f.format(tmp=tmp_path, p=prompts) for f in flags]
+    rc, err = _main([str(prompts), "--model", str(tmp_path), "--out", str(tmp_path / "b.json"), "--quiet", *flags],
+                    capsys)
+    assert rc == 2 and needle.format(tmp=tmp_path, p=prompts) in err, err
+    assert not (tmp_path / "b.json").exists()
