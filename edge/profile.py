@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 
 from .bench import add_workload_args, read_workload
-from .cli import int_at_least, positive_int
+from .cli import int_at_least, non_negative_int, positive_float, positive_int
+from .engine import DRAFTERS
 
 STEPS = ("latency", "acceptance", "speed", "memory")
 EXTRA_STEPS = ("chat",)  # only when asked: a budgeted edge-chat session (see budget_chat)
@@ -52,6 +53,16 @@ def _int_list(minimum: int):
     return parse
 
 
+def _drafter_list(text: str) -> list[str]:
+    """argparse type: comma-separated drafter names the engine knows (not "auto": a sweep names what it runs)."""
+    known = [d for d in DRAFTERS if d != "auto"]
+    vals = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in vals if x not in known]
+    if bad or not vals:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated drafters among {', '.join(known)}")
+    return vals
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="edge-profile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,27 +73,32 @@ def _parser() -> argparse.ArgumentParser:
                     help="rows per call for the latency curve")
     ap.add_argument("--latency-context", type=positive_int, default=256)
     ap.add_argument("--latency-reps", type=positive_int, default=7)
-    ap.add_argument("--prompts-per-category", type=int, default=1, help="prompts taken from each category")
-    ap.add_argument("--max-prompt-tokens", type=int, default=768,
+    ap.add_argument("--prompts-per-category", type=non_negative_int, default=1,
+                    help="prompts taken from each category (0 = all)")
+    ap.add_argument("--max-prompt-tokens", type=positive_int, default=768,
                     help="skip prompts longer than this (default 768: keeps the run short)")
-    ap.add_argument("--accept-k", type=int, default=16, help="chain length drafted while measuring acceptance")
-    ap.add_argument("--accept-k-model", type=int, default=4,
+    ap.add_argument("--accept-k", type=positive_int, default=16, help="chain length drafted while measuring acceptance")
+    ap.add_argument("--accept-k-model", type=positive_int, default=4,
                     help="the same for a model drafter, whose every draft token costs a drafter call")
     ap.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per answer (acceptance and speed)")
     ap.add_argument("--sweep-ks", type=_int_list(1), default="1,2,4,8,16,64", help="draft lengths / tree node budgets swept")
-    ap.add_argument("--sweep-drafters", default="recycling,hybrid,lookup", help="drafters swept (comma-separated)")
-    ap.add_argument("--sweep-prompts", type=int, default=2, help="prompts in the speed sweep (one per category)")
+    ap.add_argument("--sweep-drafters", type=_drafter_list, default="recycling,hybrid,lookup",
+                    help="drafters swept (comma-separated)")
+    ap.add_argument("--sweep-prompts", type=positive_int, default=2,
+                    help="prompts in the speed sweep (one per category)")
     ap.add_argument("--reps", type=positive_int, default=2, help="repeats of the speed sweep")
-    ap.add_argument("--budget-mb", type=float, help="budget for the planner's choice (default: the host profile's)")
+    ap.add_argument("--budget-mb", type=positive_float,
+                    help="budget for the planner's choice (default: the host profile's)")
     ap.add_argument("--contexts", type=_int_list(1), default="256,1024,4096", help="contexts of the memory sweep")
     ap.add_argument("--mem-ks", type=_int_list(0), default="0,16", help="draft lengths of the memory sweep (0 = plain decoding)")
-    ap.add_argument("--mem-drafter", default="lookup", help="drafter of the memory sweep's speculative runs")
-    ap.add_argument("--specmemo-context", type=int, default=1024,
+    ap.add_argument("--mem-drafter", choices=[d for d in DRAFTERS if d not in ("auto", "none")],
+                    default="lookup", help="drafter of the memory sweep's speculative runs")
+    ap.add_argument("--specmemo-context", type=non_negative_int, default=1024,
                     help="context of the managed (planner's K) vs unmanaged (longest K) memory pair; 0 = skip")
-    ap.add_argument("--chat-turns", type=int, default=20)
-    ap.add_argument("--chat-context", type=int, default=4096, help="edge-chat --context of the chat step")
-    ap.add_argument("--chat-max-tokens", type=int, default=128)
-    ap.add_argument("--chat-budget-mb", type=float,
+    ap.add_argument("--chat-turns", type=positive_int, default=20)
+    ap.add_argument("--chat-context", type=positive_int, default=4096, help="edge-chat --context of the chat step")
+    ap.add_argument("--chat-max-tokens", type=positive_int, default=128)
+    ap.add_argument("--chat-budget-mb", type=positive_float,
                     help="budget of the chat step (default: 0.1 MB above the speculative lower bound at the largest "
                          "context the chat reaches, from a first unconstrained pass)")
     ap.add_argument("--install", action="store_true",
@@ -271,7 +287,8 @@ def memory_point(model_dir, context: int, k: int, drafter: str, threads: int, te
     r = subprocess.run([sys.executable, "-m", "edge.memprobe"], input=json.dumps(args), capture_output=True,
                        text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     if r.returncode != 0:
-        raise RuntimeError(f"memory probe at context {context}, K={k} failed:\n{r.stderr[-2000:]}")
+        last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]  # its error leads the message
+        raise RuntimeError(f"memory probe at context {context}, K={k} failed: {last}\n{r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -378,7 +395,7 @@ def main(argv=None) -> int:
     sizes, sweep_ks, contexts, mem_ks = a.sizes, a.sweep_ks, a.contexts, a.mem_ks
     contexts = [c for c in contexts if c + max(mem_ks + [0]) * 2 + 40 <= m.target.max_len]
     sweep_items = round_robin(items)[: a.sweep_prompts]
-    sweep_drafters = [d for d in a.sweep_drafters.split(",") if d.strip()]
+    sweep_drafters = a.sweep_drafters
     n_configs = 3 + len(sweep_drafters) * len(sweep_ks)
     total = (("chat" in steps)
              + ("latency" in steps) * len(sizes) * (1 + len(m.drafters))
@@ -404,9 +421,9 @@ def main(argv=None) -> int:
     # the memory runs' prompt text: every prompt of the file, so the vocabulary grows with the context as in real
     # use (the embedding's resident part depends on how many distinct tokens were looked up)
     text = " ".join(t for it in load_prompts(a.prompts, 0) for t in it["turns"])
+    timer = doc["step_s"] = {}
+    t, stopped, failed = time.time(), None, None  # stopped: the step an interrupt or an error ended the run in
     try:
-        timer = doc["step_s"] = {}
-        t = time.time()
         if "latency" in steps:
             doc["latency"] = cal["latency"] = measure_latency(engine, sizes, a.latency_context, a.latency_reps, prog)
         timer["latency"], t = round(time.time() - t, 1), time.time()
@@ -466,14 +483,27 @@ def main(argv=None) -> int:
                                       a.chat_budget_mb, cal_path if cal_path.is_file() else None, a.threads, prog)
             timer["chat"] = round(time.time() - t, 1)
     except KeyboardInterrupt:
-        print("edge-profile: interrupted; writing what was measured", file=sys.stderr)
+        stopped = _running_step(steps, timer)
+        print(f"edge-profile: interrupted during the {stopped} step; writing what was measured", file=sys.stderr)
+    except (EngineError, ModelDirError, ValueError, RuntimeError, OSError, subprocess.SubprocessError) as e:
+        stopped, failed = _running_step(steps, timer), str(e) or type(e).__name__
+        print(f"edge-profile: error: {failed.splitlines()[0]} (in the {stopped} step); writing what was measured",
+              file=sys.stderr)
     finally:
         prog.close()
+    if stopped:
+        what = f"failed in the {stopped} step" if failed else f"was interrupted during the {stopped} step"
+        doc["stopped"] = {"step": stopped, "error": failed} if failed else {"step": stopped, "interrupted": True}
+        cal["source"] = cal.get("source", "edge-profile") + f"; this run {what}: only earlier steps' sections are new"
+    # always this run's calibration: an interrupt must not leave (or install) the previous run's as if just measured
+    cal_path.write_text(json.dumps(cal, indent=1))
     host["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     doc["wall_s"] = round(time.time() - t_start, 1)
     doc["plots"] = write_plots(out, doc)
     (out / "profile.json").write_text(json.dumps(doc, indent=1))
-    if a.install:
+    if a.install and stopped:
+        print(f"edge-profile: not installed: this run {what}; re-run it to the end to install", file=sys.stderr)
+    elif a.install:
         dest = default_calibration_path(model_dir)
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(out / "calibration.json", dest)
@@ -487,7 +517,12 @@ def main(argv=None) -> int:
     if "memory" in doc:
         print(doc["memory"]["table"])
     print(f"wrote {out / 'calibration.json'} and {out / 'profile.json'}", file=sys.stderr)
-    return 0
+    return 0 if not stopped else 1 if failed else 130  # 130: the shell's code for a run ended by Ctrl-C
+
+
+def _running_step(steps: list[str], timer: dict) -> str:
+    """The step main() was in: the first one asked for that has no time recorded yet."""
+    return next((s for s in STEPS + EXTRA_STEPS if s in steps and s not in timer), "?")
 
 
 def _chat_cli(model_dir, budget: float, context: int, calibration, threads: int, stdin: str,

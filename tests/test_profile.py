@@ -90,6 +90,51 @@ def test_edge_profile_bad_numbers_are_argument_errors(prompts, tmp_path, flags):
     assert flags[0] in r.stderr and not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("flags", [
+    ["--steps", "speed", "--budget-mb", "-5"], ["--steps", "speed", "--sweep-drafters", "foo"],
+    ["--steps", "speed", "--sweep-prompts", "0"], ["--steps", "memory", "--mem-ks", "4", "--mem-drafter", "foo"],
+    ["--steps", "chat", "--chat-turns", "0"], ["--steps", "acceptance", "--accept-k", "-3"],
+    ["--steps", "acceptance", "--accept-k", "0"]])
+def test_edge_profile_bad_values_are_refused_before_the_model_loads(tiny_dir, prompts, tmp_path, flags):
+    """Not minutes into the run, by the step that uses them: argparse's exit 2 naming the flag, nothing written."""
+    r = _run(["edge.profile", str(prompts), "--model", str(tiny_dir), "--out", str(tmp_path / "o"), "--quiet",
+              "--sizes", "1,2", "--latency-reps", "1", "--max-tokens", "4", "--reps", "1", "--sweep-ks", "1",
+              "--contexts", "24", "--specmemo-context", "0", "--chat-context", "64", "--chat-max-tokens", "4", *flags])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert f"argument {flags[-2]}" in r.stderr and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("stop,rc,said", [(KeyboardInterrupt(), 130, "interrupted during the acceptance step"),
+                                          (EngineError("drafter broke"), 1, "error: drafter broke (in the acceptance")])
+def test_edge_profile_cut_short_writes_this_runs_steps_and_installs_nothing(tiny_dir, prompts, tmp_path, monkeypatch,
+                                                                            capsys, stop, rc, said):
+    """Ctrl-C or an engine error in a step: calibration.json and profile.json hold this run's finished steps (not a
+    previous run's calibration) and say the run was cut short; --install installs nothing; the exit code says so."""
+    from edge import profile
+    from edge.planning import default_calibration_path
+
+    def cut(*a, **k):
+        raise stop
+    monkeypatch.setattr(profile, "measure_acceptance", cut)
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    for earlier in (False, True):  # no calibration.json yet, then a previous run's
+        out = tmp_path / f"prof-{earlier}"
+        if earlier:
+            out.mkdir()
+            (out / "calibration.json").write_bytes(calibration(tmp_path, 0.9).read_bytes())
+        assert profile.main([str(prompts), "--model", str(tiny_dir), "--out", str(out), "--steps", "latency,acceptance",
+                             "--sizes", "1,2", "--latency-reps", "1", "--latency-context", "16", "--install",
+                             "--quiet"]) == rc
+        err = capsys.readouterr().err
+        assert said in err and "not installed" in err, err
+        cal = load_calibration(out / "calibration.json")
+        assert [s for s, _ in cal["latency"]["target"]] == [1, 2] and "acceptance" not in cal
+        assert "acceptance step" in cal["source"]
+        doc = json.loads((out / "profile.json").read_text())
+        assert doc["stopped"]["step"] == "acceptance" and "latency" in doc
+        assert not default_calibration_path(tiny_dir).exists()
+
+
 def test_edge_profile_output_under_a_file_is_one_clear_line(tiny_dir, prompts, tmp_path):
     f = tmp_path / "a-file"
     f.write_text("x")
