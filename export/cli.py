@@ -9,6 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from edge.cli import non_negative_int, positive_int
 from edge.manifest import ModelDirError, load_manifest
 
 from .checkpoint import CheckpointError, default_gguf_path
@@ -50,11 +51,14 @@ def export_default(progress: bool = True, force: bool = False, opts: ExportOptio
         return export_model(src, out, opts, progress=progress, cache_dir=True, lock=False)
 
 
-def _positive(text: str) -> int:
-    n = int(text)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} is not a positive number of layers")
-    return n
+def layer_count(text: str) -> int | None:
+    """argparse type for --drafter-layers: a positive number of layers, or `none` (no early-exit drafter)."""
+    if text.lower() == "none":
+        return None
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (a number of layers, or none for no early-exit drafter)") from None
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -101,17 +105,21 @@ def _parser() -> argparse.ArgumentParser:
                          "Default auto: u8s8 where this machine computes it exactly, else u8u8. Export on (or for) "
                          "the CPU that will run the model")
     ap.add_argument("--lm-head-bits", type=int, choices=[0, 4, 8], default=None,
-                    help="LM head precision for int4/int8/w8a8 (0 = float; default 8)")
-    ap.add_argument("--max-len", type=int, default=8192, help="context capacity the graphs support (default 8192)")
-    ap.add_argument("--drafter-layers", type=_positive, nargs="*", default=None,
-                    help=f"early-exit drafter depth(s) in layers (default {DEFAULT_DRAFTER[0]}; none: no drafter)")
-    ap.add_argument("--drafter-vocab", type=int, nargs="*", default=[DEFAULT_DRAFTER[1]],
-                    help=f"trimmed drafter vocabulary size(s) (default {DEFAULT_DRAFTER[1]}; 0 = full)")
+                    help="LM head (and, for int4/int8/w8a8, embedding) precision, for every --precision: 0 = float "
+                         "(default for fp32/fp16), 4 or 8 = blocks (default 8 for int4/int8/w8a8)")
+    ap.add_argument("--max-len", type=positive_int, default=8192,
+                    help="context capacity the graphs support (default 8192)")
+    ap.add_argument("--drafter-layers", type=layer_count, nargs="*", default=None, metavar="LAYERS",
+                    help=f"early-exit drafter depth(s) in layers (default {DEFAULT_DRAFTER[0]}; none: no early-exit "
+                         "drafter)")
+    ap.add_argument("--drafter-vocab", type=non_negative_int, nargs="*", default=[DEFAULT_DRAFTER[1]],
+                    help=f"trimmed drafter vocabulary size(s) (default {DEFAULT_DRAFTER[1]}; 0, or a size at or "
+                         "above the model's vocabulary = full)")
     ap.add_argument("--drafter-checkpoint", nargs="+", default=[], metavar="PATH",
                     help="also export a separate small checkpoint (HF directory or .gguf of the same model family: "
                          "the same tokenizer) as a drafter, whole, its LM head trimmed to each --drafter-vocab size; "
                          "used by --drafter model")
-    ap.add_argument("--calib-tokens", type=int, default=64,
+    ap.add_argument("--calib-tokens", type=positive_int, default=64,
                     help="tokens the target generates per calibration prompt for vocabulary ranking (default 64)")
     ap.add_argument("--via", choices=["builder", "optimum"], default="builder",
                     help="builder (default): edgespec's own fast, tree-capable graph for llama/Mistral/Qwen2 "
@@ -119,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
                          "architectures (GPT-2, Phi-3, Gemma, ...; needs pip install 'edgespec[optimum]'): "
                          "chain speculation (lookup, recycling, hybrid), no trees, no early-exit drafter")
     ap.add_argument("--no-parity", action="store_true", help="skip the parity report against the fp32 reference")
-    ap.add_argument("--threads", type=int, default=2, help="threads for export-time measurements (default 2)")
+    ap.add_argument("--threads", type=positive_int, default=2, help="threads for export-time measurements (default 2)")
     ap.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return ap
@@ -136,6 +144,10 @@ def _summary(m) -> dict:
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
+    if a.drafter_layers and None in a.drafter_layers:
+        if len(a.drafter_layers) > 1:
+            _parser().error("--drafter-layers none means no early-exit drafter: give it alone, or only layer counts")
+        a.drafter_layers = []
     if a.drafter_layers is None:  # the builder's early-exit drafter; the optimum path builds none
         a.drafter_layers = [] if a.via == "optimum" else [DEFAULT_DRAFTER[0]]
     drafters = tuple((l, v) for l in (a.drafter_layers or []) for v in (a.drafter_vocab or [0]))
@@ -150,6 +162,8 @@ def main(argv=None) -> int:
         _parser().error("--default is built by edgespec's own graph builder; --via optimum is for other checkpoints")
     if a.precision is None:  # optimum's graphs go through ORT's MatMulNBits quantizer: no w8a8 there
         a.precision = "int4" if a.via == "optimum" else DEFAULT_PRECISION
+    if a.no_smooth and a.precision != "w8a8":  # only w8a8's per-row activation scales are smoothed
+        _parser().error(f"--no-smooth applies to --precision w8a8 only; {a.precision} is never smoothed: drop it")
     try:
         opts = ExportOptions(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
                              lm_head_bits=a.lm_head_bits, block_min=not a.integer_zero_points, smooth=not a.no_smooth,

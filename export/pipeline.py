@@ -68,6 +68,13 @@ class ExportOptions:
     w8a8_kernel: str | None = None
 
     def __post_init__(self):
+        # refused before any work: a negative drafter vocabulary or no calibration text writes a broken model
+        for field_name in ("max_len", "calib_new_tokens", "threads"):
+            if getattr(self, field_name) < 1:
+                raise ValueError(f"{field_name}={getattr(self, field_name)}: must be at least 1")
+        bad = [d for d in self.drafters if d[0] < 1 or d[1] < 0] + [d for d in self.drafter_checkpoints if d[1] < 0]
+        if bad:
+            raise ValueError(f"drafter {bad[0]}: layers must be at least 1 and vocab at least 0 (0 = full vocabulary)")
         if self.w8a8_kernel is None and self.precision == "w8a8":
             object.__setattr__(self, "w8a8_kernel", host_w8a8_kernel())
 
@@ -390,6 +397,11 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     bad = [n for n, _ in opts.drafters if not 1 <= n <= c.layers]
     if bad:  # before the long steps (and the distillation probe, which reads layer n's output)
         raise ValueError(f"drafter layers={bad[0]}: the model has {c.layers}")
+    kept = [(n, min(k or c.vocab, c.vocab)) for n, k in opts.drafters]  # a vocab at or above the model's keeps it whole
+    twice = next((d for i, d in enumerate(kept) if d in kept[:i]), None)
+    if twice:
+        whole = f" (0 and every size of {c.vocab} or more keep the whole vocabulary)" if twice[1] == c.vocab else ""
+        raise ValueError(f"drafter layers={twice[0]}, vocab={twice[1]} asked for twice{whole}; give each size once")
     _check_head_dim(c, str(source), "--via optimum exports it")
     separate = {p: load_checkpoint(p) for p, _ in opts.drafter_checkpoints}  # each once, whatever its vocab sizes
     steps.done()

@@ -308,3 +308,76 @@ def test_no_smooth_flag(run_export_cli, tiny_llama_dir, tmp_path):
                            *(["--no-smooth"] if flag else []))
         assert r.returncode == 0, r.stderr[-600:]
         assert ("smoothing" in load_manifest(out).target.stats) is (not flag)
+
+
+FAST = ("--precision", "fp32", "--max-len", "256", "--drafter-layers", "1", "--drafter-vocab", "64", "--calib-tokens",
+        "4", "--no-parity", "-q")  # what a wrongly accepted option then exports, quickly
+
+
+def run_main(capsys, *args):
+    """`export.cli.main(ARGS)` in this process (argument errors need no subprocess) → returncode, stdout, stderr."""
+    from types import SimpleNamespace
+
+    from export.cli import main
+
+    try:
+        rc = main([str(a) for a in args])
+    except SystemExit as e:
+        rc = e.code
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=rc, stdout=out.out, stderr=out.err)
+
+
+@pytest.mark.parametrize("flag,value", [("--drafter-vocab", "-5"), ("--calib-tokens", "-1"), ("--calib-tokens", "0"),
+                                        ("--threads", "0"), ("--max-len", "0"), ("--max-len", "-3")])
+def test_nonsense_numbers_are_refused_before_any_export(capsys, tiny_llama_dir, tmp_path, flag, value):
+    """A negative drafter vocabulary or no calibration text once exported with exit 0 (`drafter-l2-v-5`, a NaN vocab
+    coverage in the manifest); now argparse refuses them, naming the flag."""
+    out = tmp_path / "out"
+    expect_usage_error(run_main(capsys, tiny_llama_dir, "-o", out, *FAST, flag, value), flag, value)
+    assert not out.exists() and not out.with_name("out.partial").exists()
+
+
+@pytest.mark.parametrize("bad", [dict(drafters=((1, -5),)), dict(drafters=((0, 64),)), dict(calib_new_tokens=-1),
+                                 dict(threads=0), dict(max_len=0), dict(drafter_checkpoints=(("ck", -1),))])
+def test_export_options_refuse_nonsense_numbers(bad):
+    with pytest.raises(ValueError, match="must be at least"):
+        tiny_export_options(**bad)
+
+
+def test_drafter_sizes_that_name_one_drafter_twice(capsys, tiny_llama_dir, tmp_path):
+    """Vocab 0 and any size at or above the model's (384 here) all keep the whole vocabulary: asking for two of them
+    once failed on an existing directory (errno 17); now it is refused by name before the long steps."""
+    out = tmp_path / "out"
+    r = run_main(capsys, tiny_llama_dir, "-o", out, *FAST, "--drafter-vocab", "0", "500")
+    expect_one_line_error(r, "layers=1, vocab=384 asked for twice", "give each size once")
+    expect_one_line_error(run_main(capsys, tiny_llama_dir, "-o", out, *FAST, "--drafter-vocab", "64", "64"),
+                          "vocab=64 asked for twice")
+    assert not out.exists() and not out.with_name("out.partial").exists()
+
+
+def test_drafter_layers_none(capsys, tiny_llama_dir, tmp_path):
+    """`--drafter-layers none` (as --help says) exports no early-exit drafter; mixed with layer counts, or a word that
+    is neither, it is refused in words (not argparse's 'invalid _positive value')."""
+    from edge.manifest import load_manifest
+
+    out = tmp_path / "out"
+    r = run_main(capsys, tiny_llama_dir, "-o", out, *FAST, "--drafter-layers", "none")
+    assert r.returncode == 0, r.stderr
+    assert [g.role for g in load_manifest(out).graphs] == ["target"]
+    expect_usage_error(run_main(capsys, tiny_llama_dir, "-o", tmp_path / "x", *FAST, "--drafter-layers", "none", "2"),
+                       "--drafter-layers none", "give it alone")
+    r = run_main(capsys, tiny_llama_dir, "-o", tmp_path / "x", *FAST, "--drafter-layers", "two")
+    expect_usage_error(r, "--drafter-layers", "'two'", "none")
+    assert "_positive" not in r.stderr and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("precision", ["int4", "fp32"])
+def test_no_smooth_is_refused_where_nothing_is_smoothed(capsys, tiny_llama_dir, tmp_path, precision):
+    """Only w8a8 is smoothed (export/pipeline.py `_smoothing`): --no-smooth with another precision changed nothing and
+    was accepted silently; now it is refused, naming the precision it applies to. (--lm-head-bits is not refused with
+    fp32: it quantizes the float model's head, as its help says.)"""
+    out = tmp_path / "out"
+    r = run_main(capsys, tiny_llama_dir, "-o", out, *FAST, "--precision", precision, "--no-smooth")
+    expect_usage_error(r, "--no-smooth", "w8a8", precision)
+    assert not out.exists()
