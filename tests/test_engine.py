@@ -359,13 +359,26 @@ def test_eos_is_a_token_not_text(tiny_dir, drafter):
     r = e.generate(p, max_tokens=30, drafter=drafter, draft_len=4)
     assert r.finish_reason == "stop" and r.token_ids == ref[: j + 1]
     assert r.text == e.codec.decode(ref[:j])
-    # drafts accepted after the EOS are never emitted, so they are not counted: a chunk's drafted never exceeds
-    # its tokens, and the answer's accepted drafts are the chunks' (a first token plus <= 1 bonus per step)
-    chunks = list(e.stream(p, max_tokens=30, drafter=drafter, draft_len=4))
+
+
+def test_drafts_accepted_after_an_eos_are_not_counted(tiny_dir, monkeypatch):
+    """A step whose accepted drafts run past an EOS emits only up to the EOS; the drafts after it were verified
+    but never emitted, so neither the chunk's `drafted` nor `Stats.accepted` counts them (a 1-token last chunk
+    reported 2 drafted). The tiny model never accepts a run like that by itself, so the step is staged: lookup
+    drafts [a, EOS, b] and the verify call accepts all three."""
+    from edge.drafters import Draft, LookupDrafter
+
+    e = edge.load(tiny_dir, drafter="lookup", context=256)
+    first = e.generate("hi", max_tokens=1, drafter="none").token_ids[0]
+    a, eos, b, bonus = [t for t in range(3, 20) if t != first][:4]  # ids other than the answer's first token
+    e.eos = {eos}
+    monkeypatch.setattr(LookupDrafter, "draft", lambda self, budget: Draft.chain([a, eos, b]))
+    monkeypatch.setattr(e, "_verify", lambda root, d, *args, **kw: ([root] + d.tokens.tolist(), None, bonus))
+    chunks = list(e.stream("hi", max_tokens=16, drafter="lookup", draft_len=3))
     st = e.last_stats
-    assert all(c.drafted <= len(c.token_ids) for c in chunks)
-    assert st.accepted == sum(c.drafted for c in chunks) <= st.generated - 1
-    assert st.generated - 1 - st.accepted <= st.steps
+    assert [t for c in chunks for t in c.token_ids] == [first, a, eos] and chunks[-1].finish_reason == "stop"
+    assert chunks[-1].drafted == 2  # a and the EOS; b was accepted but never emitted
+    assert st.accepted == 2 and st.drafted == 3 and st.generated == 3
 
 
 def test_adaptive_length_keeps_probing_a_drafter_it_switched_off(tiny_dir):
