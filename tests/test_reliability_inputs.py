@@ -37,7 +37,10 @@ def consistent(e) -> None:
 def test_empty_prompt(engine):
     with pytest.raises(EngineError, match="empty prompt"):
         engine.generate("", raw=True)
-    r = engine.generate("", max_tokens=4)  # an empty user message is a valid chat turn (the template is not empty)
+    with pytest.raises(EngineError, match="empty prompt"):  # a blank question string: refused, with the reason
+        engine.generate(" ", max_tokens=4)
+    # an empty user message given as messages is a valid chat turn (the template is not empty; OpenAI clients send it)
+    r = engine.generate([{"role": "user", "content": ""}], max_tokens=4)
     assert len(r.token_ids) == 4 or r.finish_reason == "stop"
     consistent(engine)
 
