@@ -24,10 +24,10 @@ class GraphRunner:
                  kv_dtype=np.float32):
         import onnxruntime as ort
 
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = threads
-        so.log_severity_level = 3
-        self.sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        from edge.runner import session_options
+
+        # the runtime's options: latencies measured here price the runtime's calls
+        self.sess = ort.InferenceSession(path, session_options(threads), providers=["CPUExecutionProvider"])
         self.layers, self.kv_heads, self.head_dim, self.kv_dtype = layers, kv_heads, head_dim, kv_dtype
         names = {i.name for i in self.sess.get_inputs()}
         self._head = head_feeds(1) if set(HEAD_INPUTS) <= names else {}  # logits only: the head's cheapest call

@@ -621,3 +621,12 @@ def test_an_unfinished_stream_makes_the_next_call_busy_and_says_so(engine):
         engine.generate("hi", max_tokens=2)
     s.close()
     assert engine.generate("hi", max_tokens=2).token_ids
+
+
+def test_sessions_do_not_trace_memory_patterns():
+    """Decoding never repeats an input shape (the mask grows a column per token), so ORT's per-shape memory pattern
+    cache only ever grew (~49 KB per token on the embedded model, about as much as the KV cache itself). Every
+    runtime and export-time session is built with it off."""
+    from edge.runner import session_options
+
+    assert session_options(2).enable_mem_pattern is False

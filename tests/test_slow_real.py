@@ -83,3 +83,17 @@ def test_real_sampling_head_gives_the_distribution_of_the_logits(real, temperatu
     np.testing.assert_array_equal(P[exact] > 0, want[exact] > 0)
     np.testing.assert_allclose(P[exact], want[exact], rtol=1e-4, atol=1e-6)
     real.reset()
+
+
+def test_real_decoding_memory_stays_flat(real):
+    """A long answer must not grow the process beyond what the footprint model counts (the KV cache is resident
+    from load). With ORT's per-shape memory patterns on, every decode step cached a new pattern: +30.7 MB over
+    600 tokens, against +5.3 MB with them off (session 20)."""
+    import psutil
+
+    real.generate("Tell me a long story about a dragon.", max_tokens=8, drafter="none")
+    before = psutil.Process().memory_info().rss
+    r = real.generate("Tell me a long story about a dragon and a knight.", max_tokens=600, drafter="none")
+    grown = (psutil.Process().memory_info().rss - before) / 2**20
+    assert len(r.token_ids) > 300, "the answer ended too early to measure growth"
+    assert grown < 15, f"RSS grew {grown:.1f} MB over {len(r.token_ids)} tokens"
