@@ -164,6 +164,8 @@ def main(argv=None) -> int:
         a.precision = "int4" if a.via == "optimum" else DEFAULT_PRECISION
     if a.no_smooth and a.precision != "w8a8":  # only w8a8's per-row activation scales are smoothed
         _parser().error(f"--no-smooth applies to --precision w8a8 only; {a.precision} is never smoothed: drop it")
+    if a.w8a8_kernel != "auto" and a.precision != "w8a8":  # only w8a8 linears have an int8 weight layout to choose
+        _parser().error(f"--w8a8-kernel applies to --precision w8a8 only; {a.precision} has no w8a8 layers: drop it")
     try:
         opts = ExportOptions(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
                              lm_head_bits=a.lm_head_bits, block_min=not a.integer_zero_points, smooth=not a.no_smooth,

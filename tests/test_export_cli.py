@@ -381,3 +381,12 @@ def test_no_smooth_is_refused_where_nothing_is_smoothed(capsys, tiny_llama_dir, 
     r = run_main(capsys, tiny_llama_dir, "-o", out, *FAST, "--precision", precision, "--no-smooth")
     expect_usage_error(r, "--no-smooth", "w8a8", precision)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("precision", ["int4", "fp32"])
+def test_w8a8_kernel_is_refused_without_w8a8_layers(capsys, tiny_llama_dir, tmp_path, precision):
+    """--w8a8-kernel picks the int8 weight layout of w8a8 linears; with another precision it changed nothing."""
+    out = tmp_path / "out"
+    r = run_main(capsys, tiny_llama_dir, "-o", out, *FAST, "--precision", precision, "--w8a8-kernel", "u8u8")
+    expect_usage_error(r, "--w8a8-kernel", "w8a8", precision)
+    assert not out.exists()
