@@ -271,7 +271,8 @@ def _print_plan(a) -> int:
         print(f"edge-chat: error: --context {a.context} is more than the {m.target.max_len} tokens {d} was exported "
               "for", file=sys.stderr)
         return 2
-    rep = plan_report(m, profile, a.context or min(DEFAULT_CONTEXT, m.target.max_len), a.budget_mb)
+    rep = plan_report(m, profile, a.context or min(DEFAULT_CONTEXT, m.target.max_len), a.budget_mb,
+                      drafter=a.drafter, sampling=a.temp > 0)  # the plan the engine would run for these flags
     if a.json:
         print(json.dumps(rep))
     else:

@@ -119,12 +119,18 @@ def make_plan(manifest: Manifest, profile, context: int, budget_mb: float | None
               drafter: str = "auto") -> Plan:
     """The plan for this export. `drafter`: "auto" lets the planner choose among what the export can run; another
     name restricts it to that drafter or plain decoding."""
+    caps = _drafter_caps(manifest, drafter, tree_exact)
+    return plan(profile, manifest, context, stats=stats, budget_mb=budget_mb, min_call=min_call, capacity=capacity,
+                sampling=sampling, **caps)
+
+
+def _drafter_caps(manifest: Manifest, drafter: str, tree_exact: bool | None = None) -> dict:
+    """What the export can run (`capabilities`), restricted to `drafter` and plain decoding unless it is "auto"."""
     caps = capabilities(manifest, tree_exact)
     if drafter != "auto":
         caps = {"drafters": tuple(d for d in caps["drafters"] if d in ("none", drafter)),
                 "tree_drafters": tuple(d for d in caps["tree_drafters"] if d == drafter)}
-    return plan(profile, manifest, context, stats=stats, budget_mb=budget_mb, min_call=min_call, capacity=capacity,
-                sampling=sampling, **caps)
+    return caps
 
 
 def fitting_nodes(manifest: Manifest, profile, context: int, budget_mb: float, drafter: str, *,
@@ -140,10 +146,10 @@ def fitting_nodes(manifest: Manifest, profile, context: int, budget_mb: float, d
 
 
 def plan_report(manifest: Manifest, profile, context: int, budget_mb: float | None, min_call: int = 2,
-                at: int | None = None) -> dict:
-    """What `edge-chat --plan --json` prints for an engine of `context` slots holding `at` tokens (default: full):
-    the plan, predicted peaks, and both lower bounds."""
-    caps = capabilities(manifest)
+                at: int | None = None, drafter: str = "auto", sampling: bool = False) -> dict:
+    """What `edge-chat --plan --json` prints for an engine of `context` slots holding `at` tokens (default: full)
+    loaded with `drafter`, for greedy or sampled answers: the plan, predicted peaks, and both lower bounds."""
+    caps = _drafter_caps(manifest, drafter)
     last = fullest(context, plain_call_rows(profile, min_call)) if at is None else at
     out = {"device": profile.name, "simulated": getattr(profile, "simulated", False), "context": context,
            "calibration": (profile.calibration or {}).get("source"),
@@ -153,7 +159,8 @@ def plan_report(manifest: Manifest, profile, context: int, budget_mb: float | No
     spec_lb = min_budget_speculative(manifest, last, None, profile, min_call=min_call, capacity=context, **caps)
     out["min_budget_speculative_mb"] = None if spec_lb is None else round(spec_lb, 1)
     try:
-        p = make_plan(manifest, profile, last, budget_mb, min_call=min_call, capacity=context)
+        p = make_plan(manifest, profile, last, budget_mb, min_call=min_call, capacity=context, drafter=drafter,
+                      sampling=sampling)
         out.update(plan=p.to_dict(), predicted_peak_mb={"plain": round(p.plain_peak_mb, 1),
                                                         "speculative": round(p.peak_mb, 1)}, fits=True)
     except (BudgetError, PlanError) as e:

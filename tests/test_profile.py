@@ -204,6 +204,23 @@ def test_plan_json_and_auto_loaded_calibration(tiny_dir, tmp_path, monkeypatch, 
     assert edge.load(tiny_dir, context=256, budget_mb=4096).plan.drafter == "none"
 
 
+def test_plan_shows_the_plan_of_the_drafter_asked_for(tiny_dir, tmp_path, capsys):
+    """`edge-chat --plan --drafter X` prints the plan an engine loaded with X runs (X or plain decoding), as
+    edge.load(drafter=X) plans it; it printed the auto plan whatever --drafter said."""
+    from edge.cli import main
+
+    hi = calibration(tmp_path, 0.95, "hi.json")
+    flags = ["--model", str(tiny_dir), "--plan", "--json", "--context", "64", "--budget-mb", "4096",
+             "--calibration", str(hi)]
+    assert main(flags) == 0
+    auto = json.loads(capsys.readouterr().out)["plan"]["drafter"]
+    other = next(d for d in ("lookup", "recycling") if d != auto)
+    assert main(flags + ["--drafter", other]) == 0
+    assert json.loads(capsys.readouterr().out)["plan"]["drafter"] in (other, "none")
+    engine = edge.load(tiny_dir, drafter=other, context=64, budget_mb=4096, calibration=hi)
+    assert engine.plan.drafter in (other, "none")
+
+
 def test_calibration_errors_are_clear(tiny_dir, tmp_path):
     with pytest.raises(CalibrationError, match="cannot read it.*edge-profile"):
         load_calibration(tmp_path / "missing.json")
