@@ -304,7 +304,7 @@ class Worker:
                 stream.close()  # the engine rolls its cache back to what was emitted
             job.emit("done", e.last_stats)
             return "cancelled" if stopped else "completed"
-        except ApiError as x:
+        except ApiError as x:  # refused here (a 400: too long for the context), not a failure of the server
             job.emit("error", x)
         except ModelDirError as x:  # e.g. a drafter this export does not have
             job.emit("error", ApiError(400, str(x), "edgespec.drafter", "unsupported_drafter"))
@@ -313,7 +313,8 @@ class Worker:
         except Exception as x:  # a bug: answer 500, keep serving
             log.exception("generation failed")
             job.emit("error", ApiError(500, f"internal error: {type(x).__name__}: {x}"))
-        return "failed"
+            return "failed"
+        return "rejected"
 
 
 # ---------------------------------------------------------------------------------------------- response bodies

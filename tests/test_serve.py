@@ -412,8 +412,11 @@ def test_body_is_refused_before_it_is_held_whole():
 
 def test_server_refuses_oversized_prompt_and_body_then_keeps_serving(server, fresh):
     long = [{"role": "user", "content": "the quick brown fox " * 200}]  # far past the tiny export's 256 tokens
+    before = _get(server, "/health")[1]
     status, obj = _post(server, {"messages": long, "max_tokens": 4})
     assert status == 400 and obj["error"]["code"] == "context_length_exceeded" and obj["error"]["param"] == "messages"
+    after = _idle(server)  # a refused request counts as rejected, not as a server failure
+    assert (after["rejected"] - before["rejected"], after["failed"] - before["failed"]) == (1, 0), (before, after)
     status, obj = _post(server, {"messages": long, "max_tokens": 4, "stream": True})
     assert status == 400 and obj["error"]["code"] == "context_length_exceeded"
     status, obj = _post(server, raw=b'{"messages": "' + b"x" * (5 << 20) + b'"}')
