@@ -37,37 +37,24 @@ def int_at_least(minimum: int):
 positive_int, non_negative_int = int_at_least(1), int_at_least(0)
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number")
-    return x
+def float_where(ok, what: str, name: str):
+    """argparse type: a number x with ok(x) (NaN fails every comparison, so it never passes); `what` completes
+    "must be …" in the error, `name` is what argparse calls the type."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"{text} must be {what}")
+        return x
+    parse.__name__ = name
+    return parse
 
 
-def non_negative_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 <= x < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
-    return x
-
-
-def unit_fraction(text: str) -> float:
-    """argparse type: a number in (0, 1] (a probability mass such as top-p)."""
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < x <= 1:
-        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]")
-    return x
+positive_float = float_where(lambda x: 0 < x < float("inf"), "a positive number", "positive_float")
+non_negative_float = float_where(lambda x: 0 <= x < float("inf"), "a finite number >= 0", "non_negative_float")
+unit_fraction = float_where(lambda x: 0 < x <= 1, "in (0, 1]", "unit_fraction")  # a probability mass (top-p)
 
 
 def non_empty(text: str) -> str:
