@@ -801,8 +801,8 @@ class Chat:
         if not isinstance(text, str) or not text.strip():
             raise EngineError("empty message: nothing to answer")
         if not self._lock.acquire(blocking=False):
-            raise EngineBusy("this chat is already answering (in another thread, or an earlier send() not yet finished or "
-                             "closed); one turn at a time")
+            raise EngineBusy("this chat is already answering (in another thread, or an earlier send() not yet "
+                             "finished or closed); one turn at a time")
         kept, dropped = list(self.messages), self.dropped
         try:
             self.messages.append({"role": "user", "content": text})

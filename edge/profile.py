@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="prompts taken from each category (0 = all)")
     ap.add_argument("--max-prompt-tokens", type=positive_int, default=768,
                     help="skip prompts longer than this (default 768: keeps the run short)")
-    ap.add_argument("--accept-k", type=positive_int, default=16, help="chain length drafted while measuring acceptance")
+    ap.add_argument("--accept-k", type=positive_int, default=16,
+                    help="chain length drafted while measuring acceptance")
     ap.add_argument("--accept-k-model", type=positive_int, default=4,
                     help="the same for a model drafter, whose every draft token costs a drafter call")
     ap.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per answer (acceptance and speed)")

@@ -397,7 +397,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     bad = [n for n, _ in opts.drafters if not 1 <= n <= c.layers]
     if bad:  # before the long steps (and the distillation probe, which reads layer n's output)
         raise ValueError(f"drafter layers={bad[0]}: the model has {c.layers}")
-    kept = [(n, min(k or c.vocab, c.vocab)) for n, k in opts.drafters]  # a vocab at or above the model's keeps it whole
+    kept = [(n, min(k or c.vocab, c.vocab)) for n, k in opts.drafters]  # a vocab >= the model's keeps it whole
     twice = next((d for i, d in enumerate(kept) if d in kept[:i]), None)
     if twice:
         whole = f" (0 and every size of {c.vocab} or more keep the whole vocabulary)" if twice[1] == c.vocab else ""
