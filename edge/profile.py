@@ -68,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
     ap.add_argument("--out", default="bench-out/edge-profile", help="output directory (default bench-out/edge-profile)")
-    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma-separated subset of {','.join(STEPS)}")
+    ap.add_argument("--steps", default=",".join(STEPS),
+                    help=f"comma-separated subset of {','.join(STEPS)} (default all four), plus {','.join(EXTRA_STEPS)}: "
+                         "a budgeted edge-chat session, only when named")
     ap.add_argument("--sizes", type=_int_list(1), default="1,2,3,4,6,8,12,16,24,32,48,65",
                     help="rows per call for the latency curve")
     ap.add_argument("--latency-context", type=positive_int, default=256)
