@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from .cli import was_interrupted, non_negative_int, positive_int
+from .cli import non_negative_int, positive_int, was_interrupted
+from .engine import EngineError
 from .files import unwritable
 from .peer import PEER_MODES, PEER_REFERENCE, Peer, PeerError, model_dir_problem
 
@@ -101,6 +103,8 @@ def read_workload(path: str | Path) -> list[dict]:
             and all(isinstance(t, str) for t in it["turns"])
         if not ok:
             raise ValueError(f"{p}:{n}: {ITEM_SHAPE}")
+        if any(not t.strip() for t in it["turns"]):  # the engine refuses a blank question: found here, not mid-run
+            raise ValueError(f"{p}:{n}: id {it['id']!r} has a blank turn; every turn needs text")
         if it["id"] in seen:  # results are grouped by id: a second prompt would pass for a repeat of the first
             raise ValueError(f"{p}:{n}: id {it['id']!r} is already used on line {seen[it['id']]}; give every "
                              "prompt its own id")
@@ -310,7 +314,7 @@ def main(argv=None) -> int:
     except (KeyboardInterrupt, ImportError) as e:  # Ctrl-C while loading or warming up; _bench catches later ones
         if not was_interrupted(e):
             raise
-        print("edge-bench: interrupted before any run finished; nothing written", file=sys.stderr)
+        print("edge-bench: interrupted", file=sys.stderr)  # in start-up or warm-up, or in the final writes
         return 130
 
 
@@ -415,7 +419,7 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
             pass
     learned: dict[str, tuple[float, float]] = {}  # label -> (accepted, tested) over every speculative run
     t0 = time.time()
-    peer_failed = interrupted = False
+    failed = interrupted = False
     try:
         for i, it in enumerate(items):
             # every run of this prompt drafts from what the earlier prompts taught (a long-running assistant's
@@ -442,7 +446,10 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
         interrupted = True
     except PeerError as e:  # what ran is kept, and the exit code says the run is incomplete
         print(f"edge-bench: error: the peer failed ({e}); summarizing what ran", file=sys.stderr)
-        peer_failed = True
+        failed = True
+    except EngineError as e:  # a prompt the engine refuses (longer than --context, say): the same
+        print(f"edge-bench: error: {e}; summarizing what ran", file=sys.stderr)
+        failed = True
     if bar:
         bar.close()
     if not runs:  # an empty table must not replace the results of an earlier run
@@ -473,8 +480,8 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
     if interrupted:
         md += f"\n\nInterrupted: {done} of {total} runs (prompt × mode × repeat) finished; the table shows those."
     try:
-        out.write_text(json.dumps(doc))
-        md_out.write_text(md + "\n")
+        _write_whole(out, json.dumps(doc))
+        _write_whole(md_out, md + "\n")
     except OSError as e:  # the runs are not lost: the results go to a temporary file instead
         import tempfile
 
@@ -485,7 +492,14 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
         return 1
     print(json.dumps({"summary": summary, "versus_peer": vs_peer, "peak_rss_mb": doc["peak_rss_mb"]}, indent=1))
     print(md)
-    return 130 if interrupted else 1 if peer_failed else 0
+    return 130 if interrupted else 1 if failed else 0
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file beside it: an interrupted write leaves the old file whole."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _outputs(path: str) -> tuple[Path, Path]:

@@ -76,8 +76,29 @@ def test_interrupted_during_warm_up_is_one_line_exit_130(model, tmp_path, capsys
     _ctrl_c_after(monkeypatch, 0)
     rc, err = _main([str(prompts), "--model", model, "--reps", "1", "--max-tokens", "4", "--modes", "none",
                      "--out", str(out), "--quiet"], capsys)
-    assert rc == 130 and err.strip() == "edge-bench: interrupted before any run finished; nothing written", err
+    assert rc == 130 and err.strip() == "edge-bench: interrupted", err
     assert not out.exists()
+
+
+def test_a_prompt_the_engine_refuses_midway_keeps_what_ran(model, tmp_path, capsys, monkeypatch):
+    """An EngineError in a run (a prompt longer than --context, say) ended edge-bench with a traceback and nothing
+    written; now it is one line, the finished runs are written, and the exit code says the run is incomplete."""
+    from edge.engine import EngineError
+
+    real, n = bench._run_one, [0]
+
+    def run_one(*args, **kw):
+        n[0] += 1
+        if n[0] > 3:
+            raise EngineError("prompt is 999 tokens but the context holds 256")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(bench, "_run_one", run_one)
+    out = tmp_path / "b.json"
+    rc, err = _main([str(_prompts(tmp_path, TWO)), "--model", model, "--reps", "1", "--max-tokens", "4", "--modes",
+                     "none,lookup", "--out", str(out), "--quiet"], capsys)
+    assert rc == 1 and "edge-bench: error: prompt is 999 tokens" in err and "Traceback" not in err, err
+    assert json.loads(out.read_text())["runs_done"] == 2
 
 
 def test_interrupted_while_loading_is_one_line_exit_130(tmp_path, capsys, monkeypatch):
@@ -101,6 +122,7 @@ def test_interrupted_while_loading_is_one_line_exit_130(tmp_path, capsys, monkey
     ([b'{"id": 7, "turns": ["hi"]}', b'{"id": 7, "turns": ["yo"]}'], "p.jsonl:2: id 7 is already used on line 1"),
     ([b'{"id": "a", "turns": ["hi"]}', b'\xff\xfe{"id": "b"}'], "p.jsonl:2: not UTF-8 text (byte 0xff at column 1)"),
     ([b'{"id": ["a"], "turns": ["hi"]}'], "p.jsonl:1: expected"),  # an id that cannot name a prompt
+    ([b'{"id": "a", "turns": ["hi"]}', b'{"id": "b", "turns": ["hi", "  "]}'], "p.jsonl:2: id 'b' has a blank turn"),
 ])
 def test_read_workload_names_the_file_and_line(tmp_path, lines, needle):
     f = tmp_path / "p.jsonl"
