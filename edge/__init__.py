@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import numbers
 import os
 from pathlib import Path
 
@@ -68,7 +69,7 @@ def load(model_dir: str | os.PathLike | None = None, drafter: str = "auto", devi
     edge-profile calibration JSON for the planner (default: the one `edge-profile --install` left for this model).
     `verify`: "fast" checks every file's size and the sha256 of the small ones; "sha256" hashes everything (0.5 s
     for the embedded model), "size" only sizes."""
-    if budget_mb is not None and (isinstance(budget_mb, bool) or not isinstance(budget_mb, (int, float))):
+    if budget_mb is not None and (isinstance(budget_mb, bool) or not isinstance(budget_mb, numbers.Real)):
         raise EngineError(f"budget_mb must be a number of megabytes (got {budget_mb!r})")
     if budget_mb is not None and not budget_mb > 0:
         raise EngineError(f"budget_mb must be positive (got {budget_mb})")

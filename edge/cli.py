@@ -254,6 +254,10 @@ def _print_plan(a) -> int:
         print(f"edge-chat: error: {e}", file=sys.stderr)
         return 2
     m = load_manifest(d, verify="none")
+    if a.drafter == "model" and not m.drafters:  # as loading with it would refuse, instead of planning without it
+        print(f"edge-chat: error: {d}: no drafter graph in this export for --drafter model (re-export with "
+              "--drafter-layers, or choose another --drafter)", file=sys.stderr)
+        return 2
     if a.context and a.context > m.target.max_len:  # as edge.load says it
         print(f"edge-chat: error: --context {a.context} is more than the {m.target.max_len} tokens {d} was exported "
               "for", file=sys.stderr)
@@ -271,9 +275,11 @@ def _print_plan(a) -> int:
 def was_interrupted(e: BaseException) -> bool:
     """Ctrl-C, or an import that failed because Ctrl-C hit it (onnxruntime's module init re-raises it as
     ImportError)."""
-    while e is not None:
+    seen = set()
+    while e is not None and id(e) not in seen:  # a chain may loop back on itself
         if isinstance(e, KeyboardInterrupt):
             return True
+        seen.add(id(e))
         e = e.__cause__ or e.__context__
     return False
 

@@ -798,7 +798,9 @@ class Chat:
         self.engine.reset(keep_drafter_state)
 
     def send(self, text: str, **kw) -> Iterator[Chunk]:
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            raise EngineError(f"a chat message is a string (got {type(text).__name__})")
+        if not text.strip():
             raise EngineError("empty message: nothing to answer")
         if not self._lock.acquire(blocking=False):
             raise EngineBusy("this chat is already answering (in another thread, or an earlier send() not yet "

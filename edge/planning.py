@@ -156,7 +156,8 @@ def plan_report(manifest: Manifest, profile, context: int, budget_mb: float | No
            "budget_mb": budget_mb if budget_mb is not None else profile.budget_mb,
            "min_budget_plain_mb": round(min_budget_plain(manifest, last, profile, min_call=min_call,
                                                          capacity=context), 1)}
-    spec_lb = min_budget_speculative(manifest, last, None, profile, min_call=min_call, capacity=context, **caps)
+    spec_lb = min_budget_speculative(manifest, last, None, profile, min_call=min_call, capacity=context,
+                                     sampling=sampling, **caps)
     out["min_budget_speculative_mb"] = None if spec_lb is None else round(spec_lb, 1)
     try:
         p = make_plan(manifest, profile, last, budget_mb, min_call=min_call, capacity=context, drafter=drafter,

@@ -492,12 +492,17 @@ def main(argv=None) -> int:
         stopped, failed = _running_step(steps, timer), str(e) or type(e).__name__
         print(f"edge-profile: error: {failed.splitlines()[0]} (in the {stopped} step); writing what was measured",
               file=sys.stderr)
+        if not isinstance(e, (EngineError, ModelDirError)):  # perhaps a bug: keep where it came from
+            import traceback
+
+            doc["traceback"] = traceback.format_exc()
     finally:
         prog.close()
     if stopped:
         what = f"failed in the {stopped} step" if failed else f"was interrupted during the {stopped} step"
         doc["stopped"] = {"step": stopped, "error": failed} if failed else {"step": stopped, "interrupted": True}
-        cal["source"] = cal.get("source", "edge-profile") + f"; this run {what}: only earlier steps' sections are new"
+        base = cal.get("source", "edge-profile").split("; this run ")[0]  # an earlier cut-short run's note goes
+        cal["source"] = f"{base}; this run {what}: only the sections of the steps before it are this run's"
     # always this run's calibration: an interrupt must not leave (or install) the previous run's as if just measured
     cal_path.write_text(json.dumps(cal, indent=1))
     host["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -524,8 +529,9 @@ def main(argv=None) -> int:
 
 
 def _running_step(steps: list[str], timer: dict) -> str:
-    """The step main() was in: the first one asked for that has no time recorded yet."""
-    return next((s for s in STEPS + EXTRA_STEPS if s in steps and s not in timer), "?")
+    """The step main() was in: the first one asked for that has no time recorded yet ("last" once every step
+    asked for has one: the results were being written)."""
+    return next((s for s in STEPS + EXTRA_STEPS if s in steps and s not in timer), "last")
 
 
 def _chat_cli(model_dir, budget: float, context: int, calibration, threads: int, stdin: str,

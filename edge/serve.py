@@ -557,6 +557,18 @@ def main(argv=None) -> int:
     if problem:  # before loading the model, and before claiming to serve on it
         print(f"edge-serve: error: {problem}", file=sys.stderr)
         return 2
+    sockets, port = None, a.port
+    if port == 0:  # any free port: bound here, so the address announced below is the one that serves
+        import socket
+
+        try:
+            family, _, _, _, addr = socket.getaddrinfo(a.host, 0, type=socket.SOCK_STREAM)[0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.bind(addr)
+        except OSError as e:  # an unknown host name, an address this machine does not have
+            print(f"edge-serve: error: cannot listen on {a.host} ({e.strerror or e})", file=sys.stderr)
+            return 2
+        sockets, port = [sock], sock.getsockname()[1]
     import uvicorn
 
     import edge
@@ -573,14 +585,6 @@ def main(argv=None) -> int:
         print(f"edge-serve: error: {problem}", file=sys.stderr)
         return 2
     app = create_app(engine, max_queue=a.max_queue, reuse=not a.no_reuse, default_max_tokens=a.max_tokens)
-    sockets, port = None, a.port
-    if port == 0:  # any free port: bound here, so the address printed below is the one that serves
-        import socket
-
-        family, _, _, _, addr = socket.getaddrinfo(a.host, 0, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.bind(addr)
-        sockets, port = [sock], sock.getsockname()[1]
     url_host = f"[{a.host}]" if ":" in a.host else a.host
     print(f"edge-serve: {engine.manifest.name} (drafter {engine.default_drafter}, context {engine.context}) on "
           f"http://{url_host}:{port}/v1", file=sys.stderr, flush=True)

@@ -128,7 +128,7 @@ def test_chat_bad_generation_flags_fail_before_loading(tmp_path, flags, needle):
 def test_chat_output_closed_early_is_quiet(model):
     """`edge-chat --prompt ... | head -c 5`: the closed pipe ends the answer without a traceback."""
     p = subprocess.Popen([sys.executable, "-m", "edge.cli", "--model", model, "--prompt", "the quick brown fox",
-                          "--max-tokens", "64", "--drafter", "none", "--context", "256"],
+                          "--max-tokens", "200", "--drafter", "none", "--context", "256"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**__import__("os").environ,
                                                                              "HF_HUB_OFFLINE": "1"})
     p.stdout.read(1)

@@ -602,6 +602,8 @@ def test_blank_prompts_are_refused(engine):
             engine.generate(bad, max_tokens=4)
         with pytest.raises(EngineError, match="empty message"):
             engine.chat().ask(bad, max_tokens=4)
+    with pytest.raises(EngineError, match="a chat message is a string"):
+        engine.chat().ask(123, max_tokens=4)
     assert engine.generate("hi", max_tokens=2).token_ids  # a real question still goes through
 
 
@@ -612,6 +614,8 @@ def test_load_names_what_is_wrong_with_its_arguments(tmp_path):
         edge.load(f)
     with pytest.raises(EngineError, match="budget_mb must be a number"):
         edge.load(tmp_path, budget_mb="600")
+    with pytest.raises(ModelDirError):  # a numpy number is a number: the next problem is the empty directory
+        edge.load(tmp_path, budget_mb=np.int64(600))
 
 
 def test_an_unfinished_stream_makes_the_next_call_busy_and_says_so(engine):

@@ -214,6 +214,7 @@ def test_plan_shows_the_plan_of_the_drafter_asked_for(tiny_dir, tmp_path, capsys
              "--calibration", str(hi)]
     assert main(flags) == 0
     auto = json.loads(capsys.readouterr().out)["plan"]["drafter"]
+    assert auto != "none"  # else an unrestricted plan would pass the check below too
     other = next(d for d in ("lookup", "recycling") if d != auto)
     assert main(flags + ["--drafter", other]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["drafter"] in (other, "none")
