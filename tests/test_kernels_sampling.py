@@ -29,7 +29,9 @@ def slow_process(logits, temperature=1.0, top_k=0, top_p=1.0) -> list[float]:
     """Reference for one row, in plain Python floats: sort-based top-k and top-p."""
     v = len(logits)
     x = [float(l) / temperature for l in logits]
-    by_rank = sorted(range(v), key=lambda i: (-x[i], i))  # ties: lower id first
+    # ranked on the logits themselves (dividing by T > 0 keeps their order; in floats it can underflow two distinct
+    # logits, 0 and 5e-324 at T = 3, into a tie); ties: lower id first
+    by_rank = sorted(range(v), key=lambda i: (-float(logits[i]), i))
     kept = by_rank[:top_k] if 0 < top_k < v else by_rank
     m = max(x[i] for i in kept)
     w = {i: math.exp(x[i] - m) for i in kept}
