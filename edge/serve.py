@@ -590,10 +590,14 @@ def main(argv=None) -> int:
           f"http://{url_host}:{port}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=a.host, port=port, log_level=a.log_level,
                             access_log=a.log_level in ("debug", "info"))
+    server = uvicorn.Server(config)
     try:
-        uvicorn.Server(config).run(sockets=sockets)
+        server.run(sockets=sockets)
     except KeyboardInterrupt:  # Ctrl-C after its graceful shutdown (uvicorn.run swallows it the same way)
         pass
+    if not server.started:  # as uvicorn.run exits 3 when start-up failed (its log above says why)
+        print("edge-serve: error: the server did not start", file=sys.stderr)
+        return 3
     return 0
 
 

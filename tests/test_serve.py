@@ -521,3 +521,15 @@ def test_port_zero_on_an_address_this_machine_lacks_is_one_clear_line(tiny_dir):
                        capture_output=True, text=True, timeout=60, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "cannot listen on nosuch.invalid" in r.stderr and " on http://" not in r.stderr, r.stderr
+
+
+def test_a_server_that_never_started_exits_non_zero(tiny_dir, monkeypatch, capsys):
+    """uvicorn.run exits 3 when start-up fails; edge-serve runs uvicorn.Server itself (for --port 0's socket), so
+    it checks the same: a server that never started is an error, not exit 0."""
+    import uvicorn
+
+    from edge import serve
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)  # start-up failed: never started
+    assert serve.main(["--model-dir", str(tiny_dir), "--port", "0"]) == 3
+    assert "the server did not start" in capsys.readouterr().err
