@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from .cli import non_negative_int, positive_int, was_interrupted
 from .engine import EngineError
-from .files import unwritable
+from .files import unwritable, write_atomic
 from .peer import PEER_MODES, PEER_REFERENCE, Peer, PeerError, model_dir_problem
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "public.jsonl"
@@ -480,8 +479,8 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
     if interrupted:
         md += f"\n\nInterrupted: {done} of {total} runs (prompt × mode × repeat) finished; the table shows those."
     try:
-        _write_whole(out, json.dumps(doc))
-        _write_whole(md_out, md + "\n")
+        write_atomic(out, json.dumps(doc))
+        write_atomic(md_out, md + "\n")
     except OSError as e:  # the runs are not lost: the results go to a temporary file instead
         import tempfile
 
@@ -493,13 +492,6 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
     print(json.dumps({"summary": summary, "versus_peer": vs_peer, "peak_rss_mb": doc["peak_rss_mb"]}, indent=1))
     print(md)
     return 130 if interrupted else 1 if failed else 0
-
-
-def _write_whole(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file beside it: an interrupted write leaves the old file whole."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _outputs(path: str) -> tuple[Path, Path]:

@@ -27,3 +27,14 @@ def unwritable(path: Path) -> str | None:
     if problem is None and path.exists() and not os.access(path, os.W_OK):
         problem = f"{path} is not writable"
     return problem
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file beside it, synced, then renamed over it: an interrupted
+    write (Ctrl-C, a full disk) leaves the old file whole, or none."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -15,6 +15,8 @@ import numpy as np
 
 from memory.footprint import kv_bytes_per_token
 
+from .files import write_atomic
+
 FORMAT_VERSION = 2  # the newest format this edgespec reads (and writes when an export needs it)
 OLDEST_FORMAT = 1  # format 2 adds GraphEntry.arch (a drafter from its own checkpoint); format 1 exports still load
 # the graphs export.graph writes: bumped whenever they change, so a cached export from an older builder is rebuilt
@@ -130,12 +132,7 @@ class Manifest:
     def write(self, model_dir: str | os.PathLike) -> Path:
         """Atomic: write a temp file, fsync, rename (an interrupted export leaves no manifest)."""
         path = Path(model_dir) / MANIFEST_NAME
-        tmp = path.with_suffix(".json.tmp")
-        with open(tmp, "w") as f:
-            f.write(self.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_atomic(path, self.to_json())
         return path
 
 
