@@ -523,26 +523,30 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _port_problem(host: str, port: int) -> str | None:
-    """Why the server could not listen on host:port (in use, not an address here), or None. Checked with a bind
-    like uvicorn's own (SO_REUSEADDR), then released for it."""
+def _listen_check(host: str, port: int):
+    """(socket, problem): why the server could not listen on host:port (unknown host, in use, not an address here),
+    checked with a bind like uvicorn's own (SO_REUSEADDR) before the model loads. The socket is released for uvicorn
+    to bind again, except for port 0 (any free port): that one is kept and handed to uvicorn, so the port announced
+    is the port that serves."""
     import socket
 
-    if port == 0:
-        return None
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
-        return f"cannot resolve --host {host} ({e.strerror or e})"
+        return None, f"cannot resolve --host {host} ({e.strerror or e})"
     family, _, _, _, addr = infos[0]
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(addr)
-        except OSError as e:
-            hint = "; stop the other server or choose another --port" if e.errno == errno.EADDRINUSE else ""
-            return f"cannot listen on {host}:{port} ({e.strerror or e}){hint}"
-    return None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        hint = "; stop the other server or choose another --port" if e.errno == errno.EADDRINUSE else ""
+        return None, f"cannot listen on {host}:{port} ({e.strerror or e}){hint}"
+    if port:
+        sock.close()
+        return None, None
+    return sock, None
 
 
 def main(argv=None) -> int:
@@ -553,22 +557,11 @@ def main(argv=None) -> int:
     if not _is_loopback(a.host):
         print(f"edge-serve: warning: binding {a.host}: the API has no authentication; anyone who can reach this "
               "address can use the model", file=sys.stderr)
-    problem = _port_problem(a.host, a.port)
+    sock, problem = _listen_check(a.host, a.port)
     if problem:  # before loading the model, and before claiming to serve on it
         print(f"edge-serve: error: {problem}", file=sys.stderr)
         return 2
-    sockets, port = None, a.port
-    if port == 0:  # any free port: bound here, so the address announced below is the one that serves
-        import socket
-
-        try:
-            family, _, _, _, addr = socket.getaddrinfo(a.host, 0, type=socket.SOCK_STREAM)[0]
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.bind(addr)
-        except OSError as e:  # an unknown host name, an address this machine does not have
-            print(f"edge-serve: error: cannot listen on {a.host} ({e.strerror or e})", file=sys.stderr)
-            return 2
-        sockets, port = [sock], sock.getsockname()[1]
+    sockets, port = ([sock], sock.getsockname()[1]) if sock else (None, a.port)
     import uvicorn
 
     import edge
