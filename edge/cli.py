@@ -340,22 +340,17 @@ def _main(a) -> int:
 def _answer_json(engine, a, load_s: float) -> int:
     """--prompt --json: one JSON object; after Ctrl-C it still comes, with what was generated so far and
     finish_reason "interrupted" (exit status 130)."""
-    from .engine import GenerationResult, Stats
+    from .engine import GenerationResult, collect
 
-    text, ids, finish, stats, rc = [], [], "length", None, 0
+    r, rc = GenerationResult("", [], "length"), 0
     stream = engine.stream(messages(a.prompt, a.system), **_params(a), drafter=a.drafter)
     try:
-        for ch in stream:
-            stats = stats or engine.last_stats  # this request's, read while it holds the engine
-            text.append(ch.text)
-            ids += ch.token_ids
-            finish = ch.finish_reason or finish
+        collect(stream, engine, r)
     except KeyboardInterrupt:
         stream.close()  # rolls the KV cache back and fills in the counters of what ran
-        finish, rc = "interrupted", 130
+        r.finish_reason, rc = "interrupted", 130
         print("\nedge-chat: interrupted", file=sys.stderr)
-    st = stats or engine.last_stats or Stats()  # interrupted before the first step: nothing ran yet
-    out = _result_json(GenerationResult("".join(text), ids, finish, st), st)
+    out = _result_json(r, r.stats)
     out["load_s"] = round(load_s, 2)
     print(json.dumps(out), flush=True)
     return rc

@@ -170,6 +170,25 @@ class GenerationResult:
         return self.stats.steps
 
 
+def collect(chunks: Iterator[Chunk], engine: "Engine", into: GenerationResult | None = None) -> GenerationResult:
+    """The answer a stream of chunks makes, built in `into` (a caller that catches Ctrl-C keeps what came before it).
+    Its stats are the request's own: read while the request holds the engine, since another may follow."""
+    r = into if into is not None else GenerationResult("", [], "length")
+    parts = [r.text]
+    try:
+        for ch in chunks:
+            if not parts[1:]:
+                r.stats = engine.last_stats
+            parts.append(ch.text)
+            r.token_ids += ch.token_ids
+            r.finish_reason = ch.finish_reason or r.finish_reason
+    finally:
+        r.text = "".join(parts)
+        if not parts[1:] and engine.last_stats is not None:  # no chunk came: the latest request's
+            r.stats = engine.last_stats
+    return r
+
+
 def token_labels(d: Draft, kind: str, others: Sequence[Draft] = ()) -> tuple[str, ...]:
     """Acceptance labels of a free draft's tokens: what found each (`Draft.labels`, else its source, else the
     drafter), "@1" for the first token and "@2+" for the others, plus, when the step has other candidate chains,
@@ -713,13 +732,7 @@ class Engine:
             self._lock.release()
 
     def generate(self, prompt_or_messages, raw: bool = False, **kw) -> GenerationResult:
-        text, ids, finish, stats = [], [], "length", None
-        for ch in self.stream(prompt_or_messages, raw=raw, **kw):
-            stats = stats or self.last_stats  # read while this request holds the engine (another may follow)
-            text.append(ch.text)
-            ids += ch.token_ids
-            finish = ch.finish_reason or finish
-        return GenerationResult("".join(text), ids, finish, stats or self.last_stats)
+        return collect(self.stream(prompt_or_messages, raw=raw, **kw), self)
 
     def chat(self, system: str | None = None, overflow: str = "refuse") -> "Chat":
         return Chat(self, system, overflow)
@@ -836,9 +849,4 @@ class Chat:
             self._lock.release()
 
     def ask(self, text: str, **kw) -> GenerationResult:
-        chunks, stats = [], None
-        for c in self.send(text, **kw):
-            stats = stats or self.engine.last_stats  # read while this turn holds the engine
-            chunks.append(c)
-        return GenerationResult("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
-                                chunks[-1].finish_reason if chunks else "length", stats or self.engine.last_stats)
+        return collect(self.send(text, **kw), self.engine)
