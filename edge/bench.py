@@ -319,7 +319,7 @@ def main(argv=None) -> int:
 
 def _main(a) -> int:
     import edge
-    from edge import EngineError, ModelDirError
+    from edge import ModelDirError
 
     from .engine import DRAFTERS, GenerationParams
 
