@@ -70,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-python", metavar="PATH",
                     help="the Python that has onnxruntime-genai installed (default: this one)")
     ap.add_argument("--out", default="bench-out/edge-bench.json", help="JSON output (default bench-out/edge-bench.json)")
-    ap.add_argument("--quiet", action="store_true")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap
 
 

@@ -140,7 +140,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt", help="answer this one prompt and exit (no REPL)")
     ap.add_argument("--json", action="store_true",
                     help="with --prompt: print one JSON object (text, token ids, prefill ms, decode tokens/s, "
-                         "drafted/accepted, mean accepted length, Python ms per step, peak RSS)")
+                         "drafted/accepted, mean accepted length, Python ms per step, peak RSS); with --plan: the "
+                         "plan report as one JSON object")
     return ap
 
 

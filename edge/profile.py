@@ -72,35 +72,38 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"comma-separated subset of {','.join(STEPS)} (default all four), plus {','.join(EXTRA_STEPS)}: "
                          "a budgeted edge-chat session, only when named")
     ap.add_argument("--sizes", type=_int_list(1), default="1,2,3,4,6,8,12,16,24,32,48,65",
-                    help="rows per call for the latency curve")
-    ap.add_argument("--latency-context", type=positive_int, default=256)
-    ap.add_argument("--latency-reps", type=positive_int, default=7)
+                    help="rows per call for the latency curve (default 1,2,3,4,6,8,12,16,24,32,48,65)")
+    ap.add_argument("--latency-context", type=positive_int, default=256,
+                    help="cached tokens before each latency call (default 256)")
+    ap.add_argument("--latency-reps", type=positive_int, default=7,
+                    help="calls per width of the latency curve; the median is kept (default 7)")
     ap.add_argument("--prompts-per-category", type=non_negative_int, default=1,
-                    help="prompts taken from each category (0 = all)")
+                    help="prompts taken from each category (0 = all; default 1)")
     ap.add_argument("--max-prompt-tokens", type=positive_int, default=768,
                     help="skip prompts longer than this (default 768: keeps the run short)")
     ap.add_argument("--accept-k", type=positive_int, default=16,
-                    help="chain length drafted while measuring acceptance")
+                    help="chain length drafted while measuring acceptance (default 16)")
     ap.add_argument("--accept-k-model", type=positive_int, default=4,
-                    help="the same for a model drafter, whose every draft token costs a drafter call")
-    ap.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per answer (acceptance and speed)")
-    ap.add_argument("--sweep-ks", type=_int_list(1), default="1,2,4,8,16,64", help="draft lengths / tree node budgets swept")
+                    help="the same for a model drafter, whose every draft token costs a drafter call (default 4)")
+    ap.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per answer (acceptance and speed; default 64)")
+    ap.add_argument("--sweep-ks", type=_int_list(1), default="1,2,4,8,16,64", help="draft lengths / tree node budgets swept (default 1,2,4,8,16,64)")
     ap.add_argument("--sweep-drafters", type=_drafter_list, default="recycling,hybrid,lookup",
-                    help="drafters swept (comma-separated)")
+                    help="drafters swept (comma-separated; default recycling,hybrid,lookup)")
     ap.add_argument("--sweep-prompts", type=positive_int, default=2,
-                    help="prompts in the speed sweep (one per category)")
-    ap.add_argument("--reps", type=positive_int, default=2, help="repeats of the speed sweep")
+                    help="prompts in the speed sweep, one per category (default 2)")
+    ap.add_argument("--reps", type=positive_int, default=2, help="repeats of the speed sweep (default 2)")
     ap.add_argument("--budget-mb", type=positive_float,
                     help="budget for the planner's choice (default: the host profile's)")
-    ap.add_argument("--contexts", type=_int_list(1), default="256,1024,4096", help="contexts of the memory sweep")
-    ap.add_argument("--mem-ks", type=_int_list(0), default="0,16", help="draft lengths of the memory sweep (0 = plain decoding)")
+    ap.add_argument("--contexts", type=_int_list(1), default="256,1024,4096", help="contexts of the memory sweep (default 256,1024,4096)")
+    ap.add_argument("--mem-ks", type=_int_list(0), default="0,16", help="draft lengths of the memory sweep (0 = plain decoding; default 0,16)")
     ap.add_argument("--mem-drafter", choices=[d for d in DRAFTERS if d not in ("auto", "none")],
-                    default="lookup", help="drafter of the memory sweep's speculative runs")
+                    default="lookup", help="drafter of the memory sweep's speculative runs (default lookup)")
     ap.add_argument("--specmemo-context", type=non_negative_int, default=1024,
-                    help="context of the managed (planner's K) vs unmanaged (longest K) memory pair; 0 = skip")
-    ap.add_argument("--chat-turns", type=positive_int, default=20)
-    ap.add_argument("--chat-context", type=positive_int, default=4096, help="edge-chat --context of the chat step")
-    ap.add_argument("--chat-max-tokens", type=positive_int, default=128)
+                    help="context of the managed (planner's K) vs unmanaged (longest K) memory pair; 0 = skip (default 1024)")
+    ap.add_argument("--chat-turns", type=positive_int, default=20, help="turns of the chat step (default 20)")
+    ap.add_argument("--chat-context", type=positive_int, default=4096, help="edge-chat --context of the chat step (default 4096)")
+    ap.add_argument("--chat-max-tokens", type=positive_int, default=128,
+                    help="new tokens per answer in the chat step (default 128)")
     ap.add_argument("--chat-budget-mb", type=positive_float,
                     help="budget of the chat step (default: 0.1 MB above the speculative lower bound at the largest "
                          "context the chat reaches, from a first unconstrained pass)")
