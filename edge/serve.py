@@ -40,6 +40,7 @@ log = logging.getLogger("edge.serve")
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_BODY = 4 << 20  # bytes; a prompt past the context is refused anyway, this bounds the tokenizer's work
 MAX_STOP = 4  # OpenAI's limit
+SHUTDOWN_GRACE_S = 5  # after Ctrl-C / SIGTERM, uvicorn's wait for open requests (each was told to stop already)
 
 
 class ApiError(Exception):
@@ -53,6 +54,12 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+
+def _client_gone() -> ApiError:
+    """What a handler whose client has left is told (nginx's 499; nobody reads it, but the handler must wake)."""
+    return ApiError(499, "client closed the request", code="client_closed")
 
 
 # ---------------------------------------------------------------------------------------------- request parsing
@@ -163,6 +170,23 @@ async def _read_body(request) -> bytes:
     return b"".join(parts)
 
 
+def _refuse_unsupported(body: dict) -> None:
+    """Fields whose answer a client would read in a shape this server cannot give (log-probabilities, JSON mode,
+    a forced tool call): refused by name rather than answered as plain text the client then misreads. Fields that
+    only tune or annotate (penalties, `user`, `tools` with tool_choice auto/none) are ignored."""
+    for key in ("logprobs", "top_logprobs"):
+        if body.get(key) not in (None, False, 0):
+            raise ApiError(400, f"{key}: log-probabilities are not returned by this server", key,
+                           "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(400, "response_format: only {\"type\": \"text\"} is supported (no JSON mode or schema)",
+                       "response_format", "unsupported_parameter")
+    if body.get("tool_choice") not in (None, "auto", "none"):
+        raise ApiError(400, "tool_choice: this server does not make tool calls (tools are ignored; 'auto' and "
+                            "'none' are accepted)", "tool_choice", "unsupported_parameter")
+
+
 def parse_chat_request(raw: bytes, default_max_tokens: int) -> ChatRequest:
     """Validate a chat-completions body → ChatRequest; ApiError(400) names the offending parameter.
     Unknown top-level fields (user, logit_bias, ...) are ignored, as OpenAI-compatible servers commonly do."""
@@ -170,6 +194,8 @@ def parse_chat_request(raw: bytes, default_max_tokens: int) -> ChatRequest:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}", None, "invalid_json") from None
+    except RecursionError:  # nesting deeper than the parser's recursion limit
+        raise ApiError(400, "request body is not valid JSON: nested too deeply", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
     messages = _messages(body)
@@ -178,6 +204,7 @@ def parse_chat_request(raw: bytes, default_max_tokens: int) -> ChatRequest:
     n = body.get("n")
     if isinstance(n, bool) or n not in (None, 1):
         raise ApiError(400, "n: only one choice per request is supported", "n", "invalid_value")
+    _refuse_unsupported(body)
     max_tokens = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
     seed = body.get("seed")
@@ -239,7 +266,10 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def drain(self) -> None:
+        """Take no more work: the running generation stops within a step and, like every waiting request, is
+        answered 503 shutting_down. Does not wait (a signal handler calls it: the server's own shutdown would
+        otherwise wait for every running and queued generation to finish)."""
         with self._cv:
             self._stopping = True
             dropped, self.waiting = list(self.waiting), collections.deque()
@@ -248,7 +278,21 @@ class Worker:
             self._cv.notify_all()
         for job in dropped:
             job.emit("error", ApiError(503, "server is shutting down", code="shutting_down"))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.drain()
         self._thread.join(timeout)
+
+    def withdraw(self, job: Job) -> None:
+        """The client of `job` left: free its queue slot now, and wake its handler, if it is still waiting (the
+        running job stops at its next chunk instead)."""
+        with self._cv:
+            try:
+                self.waiting.remove(job)
+            except ValueError:
+                return
+            self.counts["cancelled"] += 1
+        job.emit("error", _client_gone())
 
     def submit(self, job: Job) -> None:
         with self._cv:
@@ -282,7 +326,8 @@ class Worker:
                     self.counts[outcome] += 1
 
     def _serve(self, job: Job) -> str:
-        if job.cancel.is_set():  # the client left while queued
+        if job.cancel.is_set():  # the client left while queued (its handler still waits for an answer)
+            job.emit("error", _client_gone())
             return "cancelled"
         e, req = self.engine, job.request
         try:
@@ -302,7 +347,11 @@ class Worker:
                         break
             finally:
                 stream.close()  # the engine rolls its cache back to what was emitted
-            job.emit("done", e.last_stats)
+            if stopped and self._stopping:  # stopped by a shutdown, not by its client: say so
+                job.emit("error", ApiError(503, "server is shutting down; the answer was cut short",
+                                           code="shutting_down"))
+            else:
+                job.emit("done", e.last_stats)
             return "cancelled" if stopped else "completed"
         except ApiError as x:  # refused here (a 400: too long for the context), not a failure of the server
             job.emit("error", x)
@@ -369,18 +418,64 @@ async def _events(job: Job, reply: _Reply, first) -> object:
     yield b"data: [DONE]\n\n"
 
 
-async def _cancel_on_disconnect(receive, job: Job) -> None:
+async def _cancel_on_disconnect(receive, job: Job, worker: Worker) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
     job.cancel.set()
+    worker.withdraw(job)
 
 
 # ---------------------------------------------------------------------------------------------- the app
 
-def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_tokens: int = 1024):
-    """The ASGI app around one loaded Engine (the caller keeps ownership of the engine)."""
+APP_SCHEMES = ("app", "file", "tauri", "vscode-webview")  # desktop shells' page origins: pages on this machine
+
+
+def origin_allowed(origin: str, allowed=()) -> bool:
+    """May a web page of this Origin use the server? Pages served from this machine (http(s) on a loopback host,
+    a desktop shell's app:// or file:// page) and the origins given with --allow-origin ("*": any)."""
+    import urllib.parse
+
+    if "*" in allowed or origin in allowed:
+        return True
+    try:
+        u = urllib.parse.urlsplit(origin)
+        host = u.hostname or ""
+    except ValueError:  # a malformed Origin header
+        return False
+    return u.scheme in APP_SCHEMES or (u.scheme in ("http", "https") and _is_loopback(host))
+
+
+class _OriginGuard:
+    """Refuses (403) requests from web pages of other origins before any work is done. A browser sends a page's
+    cross-site POST without asking first (CORS only hides the answer from the page), so without this any web
+    site the user visits could keep the engine busy or fill the queue. Clients that are not browsers send no
+    Origin and are unaffected."""
+
+    def __init__(self, app, allowed=()):
+        self.app, self.allowed = app, tuple(allowed)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            origin = dict(scope["headers"]).get(b"origin")
+            if origin is not None and not origin_allowed(origin.decode("latin-1"), self.allowed):
+                from starlette.responses import JSONResponse
+
+                o = origin.decode("latin-1")
+                e = ApiError(403, f"requests from web pages at {o} are refused; to allow them, start edge-serve with "
+                                  f"--allow-origin {o}", None, "origin_not_allowed")
+                await JSONResponse(e.body(), 403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_tokens: int = 1024,
+               allow_origins=()):
+    """The ASGI app around one loaded Engine (the caller keeps ownership of the engine). `allow_origins`: web
+    page origins allowed besides this machine's own (`origin_allowed`)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
     from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
@@ -411,7 +506,7 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
         req = parse_chat_request(body, default_max_tokens)
         job = Job(req, asyncio.get_running_loop())
         worker.submit(job)
-        watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, job))
+        watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, job, worker))
         handed_off = False
         try:
             kind, value = first = await job.next()
@@ -473,7 +568,11 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
                             Route("/v1/models", models), Route("/v1/models/{model:path}", model),
                             Route("/health", health)],
                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash},
-                    lifespan=lifespan)
+                    lifespan=lifespan,
+                    # allowed pages get CORS answers (and their preflight); the guard has refused all others
+                    middleware=[Middleware(_OriginGuard, allowed=allow_origins),
+                                Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST"],
+                                           allow_headers=["*"])])
     app.state.worker = worker
     return app
 
@@ -508,10 +607,29 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-reuse", action="store_true",
                     help="prefill every prompt in full instead of reusing the previous conversation's KV cache "
                          "(for measuring what reuse saves)")
+    ap.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                    help="let web pages of this origin (e.g. https://chat.example.org, or * for any) call the API; "
+                         "repeatable. Pages served from this machine (http://localhost:*, 127.0.0.1, [::1], app:// and "
+                         "file:// pages of desktop shells) are always allowed, others are refused with 403 (default: "
+                         "none). Clients that are not browsers send no Origin and are never refused")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                     help="uvicorn's log level; info logs every request (default warning)")
     add_engine_args(ap)  # the same engine flags as edge-chat
     return ap
+
+
+def uvicorn_server(config, worker: Worker):
+    """uvicorn's Server, whose Ctrl-C / SIGTERM first drains the worker: uvicorn's graceful shutdown waits for every
+    open request, so without it the process would live on until every running and queued generation had finished
+    (minutes, past a service manager's SIGKILL). Running and queued requests are answered 503 instead."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            worker.drain()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def _is_loopback(host: str) -> bool:
@@ -577,13 +695,14 @@ def main(argv=None) -> int:
     if problem:
         print(f"edge-serve: error: {problem}", file=sys.stderr)
         return 2
-    app = create_app(engine, max_queue=a.max_queue, reuse=not a.no_reuse, default_max_tokens=a.max_tokens)
+    app = create_app(engine, max_queue=a.max_queue, reuse=not a.no_reuse, default_max_tokens=a.max_tokens,
+                     allow_origins=a.allow_origin)
     url_host = f"[{a.host}]" if ":" in a.host else a.host
     print(f"edge-serve: {engine.manifest.name} (drafter {engine.default_drafter}, context {engine.context}) on "
           f"http://{url_host}:{port}/v1", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=a.host, port=port, log_level=a.log_level,
-                            access_log=a.log_level in ("debug", "info"))
-    server = uvicorn.Server(config)
+                            access_log=a.log_level in ("debug", "info"), timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    server = uvicorn_server(config, app.state.worker)
     try:
         server.run(sockets=sockets)
     except KeyboardInterrupt:  # Ctrl-C after its graceful shutdown (uvicorn.run swallows it the same way)

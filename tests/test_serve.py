@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import edge
+from edge.engine import Chunk
 from edge.serve import ApiError, ChatRequest, Job, Worker, parse_chat_request
 from edge.serve_load import run_conversation, run_load
 
@@ -264,6 +265,130 @@ def test_full_queue_is_a_503():
     assert worker.status()["rejected"] == 1
 
 
+class HeldEngine:
+    """A stand-in engine whose answer advances one chunk per `go.release()`: a generation stays running for as
+    long as a test needs it to (a real model may finish before the test acts)."""
+    context = 1000
+
+    def __init__(self):
+        self.go, self.running, self.last_stats = threading.Semaphore(0), threading.Event(), None
+
+    def encode(self, messages):
+        return [1, 2, 3]
+
+    def stream(self, messages, **kw):
+        self.running.set()
+        for i in range(10_000):
+            assert self.go.acquire(timeout=30), "the test never let the generation go on"
+            yield Chunk(f"t{i} ", [i], 0)
+
+
+def test_a_client_that_leaves_while_queued_frees_its_slot_and_its_handler():
+    """Its handler waits on the job's results: withdrawing must answer it (the server's shutdown used to wait for
+    that handler forever), and the queue slot is free again at once."""
+    worker = Worker(engine=None, max_queue=1)  # not started: nothing leaves the queue by itself
+    running, queued = _job(CONV), _job(CONV)
+    worker.submit(running)
+    worker.submit(queued)
+    queued.cancel.set()
+    worker.withdraw(queued)
+    assert queued.done.is_set() and queued.items[-1][0] == "error" and queued.items[-1][1].status == 499
+    assert worker.status()["waiting"] == 1 and worker.status()["cancelled"] == 1
+    worker.submit(_job(CONV))  # the slot it held is free
+    worker.withdraw(queued)  # twice, or after the worker took it: nothing more happens
+    assert worker.status()["cancelled"] == 1
+
+
+def test_a_job_whose_client_left_before_it_ran_is_still_answered():
+    worker = Worker(engine=None)
+    job = _job(CONV)
+    job.cancel.set()
+    assert worker._serve(job) == "cancelled"
+    assert job.done.is_set() and job.items == [("error", job.items[0][1])] and job.items[0][1].status == 499
+
+
+def test_shutdown_stops_the_running_generation_and_answers_the_queue():
+    """Ctrl-C / SIGTERM (uvicorn's handle_exit) drains the worker first: the running answer ends within a chunk
+    with a 503 shutting_down, queued requests get the same, new ones are refused. Before, uvicorn's graceful
+    shutdown waited for every running and queued generation to finish."""
+    import signal
+
+    import uvicorn
+
+    from edge.serve import uvicorn_server
+
+    engine = HeldEngine()
+    worker = Worker(engine, max_queue=2)
+    running, queued = _job(CONV), _job(CONV)
+    worker.start()
+    try:
+        worker.submit(running)
+        worker.submit(queued)
+        assert engine.running.wait(10)
+        engine.go.release()
+        server = uvicorn_server(uvicorn.Config(app=None), worker)
+        server.handle_exit(signal.SIGTERM, None)
+        assert server.should_exit
+        assert queued.done.wait(10) and queued.items[-1][1].status == 503
+        engine.go.release()  # the step in flight finishes; the worker sees the stop and ends the answer
+        assert running.done.wait(10)
+        kind, err = running.items[-1]
+        assert kind == "error" and err.status == 503 and err.code == "shutting_down"
+        chunks = [k for k, _ in running.items[:-1]]
+        assert set(chunks) == {"chunk"} and len(chunks) <= 2  # the chunk before the signal, and the one in flight
+        with pytest.raises(ApiError) as e:
+            worker.submit(_job(CONV))
+        assert e.value.status == 503
+    finally:
+        for _ in range(4):
+            engine.go.release()
+        worker.stop()
+
+
+def test_web_pages_of_other_sites_are_refused_before_any_work(server):
+    """A browser sends a page's cross-site POST without asking first; CORS would only hide the answer. Pages of
+    this machine (and --allow-origin ones) may call the API and get CORS headers; clients without Origin too."""
+    before = _idle(server)
+    body = json.dumps({"messages": CONV, "max_tokens": 4, "temperature": 0})
+    for origin, status in (("https://evil.example", 403), ("null", 403), ("http://localhost:5173", 200),
+                           ("http://127.0.0.1:3000", 200), ("app://desktop", 200)):
+        conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
+        try:
+            conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "text/plain", "Origin": origin})
+            r = conn.getresponse()
+            obj = json.loads(r.read())
+            assert r.status == status, (origin, obj)
+            if status == 403:
+                assert obj["error"]["code"] == "origin_not_allowed" and "--allow-origin" in obj["error"]["message"]
+            else:
+                assert r.getheader("access-control-allow-origin") in ("*", origin)
+        finally:
+            conn.close()
+    after = _idle(server)
+    assert after["completed"] - before["completed"] == 3  # the refused ones never reached the engine
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)  # a browser's pre-check of an allowed page
+    try:
+        conn.request("OPTIONS", "/v1/chat/completions", headers={
+            "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type, authorization"})
+        r = conn.getresponse()
+        r.read()
+        assert r.status == 200 and "POST" in r.getheader("access-control-allow-methods")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("origin,allowed,ok", [
+    ("https://chat.example.org", (), False), ("https://chat.example.org", ("https://chat.example.org",), True),
+    ("https://other.example.org", ("https://chat.example.org",), False), ("https://any.example", ("*",), True),
+    ("http://localhost.evil.com", (), False), ("http://[::1]:8080", (), True), ("file://", (), True),
+    ("http://[bad", (), False)])
+def test_origin_policy(origin, allowed, ok):
+    from edge.serve import origin_allowed
+
+    assert origin_allowed(origin, allowed) is ok
+
+
 def test_disconnect_mid_stream_then_fresh_output(server, fresh):
     before = _idle(server)
     conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
@@ -338,6 +463,15 @@ BAD = [
     ("n is a bool", {"messages": _msgs("user"), "n": True}, "n", "invalid_value"),
     ("top_k below -1", {"messages": _msgs("user"), "top_k": -2}, "top_k", "invalid_value"),
     ("top_k float", {"messages": _msgs("user"), "top_k": 2.5}, "top_k", "invalid_value"),
+    ("logprobs", {"messages": _msgs("user"), "logprobs": True}, "logprobs", "unsupported_parameter"),
+    ("top_logprobs", {"messages": _msgs("user"), "top_logprobs": 3}, "top_logprobs", "unsupported_parameter"),
+    ("json mode", {"messages": _msgs("user"), "response_format": {"type": "json_object"}}, "response_format",
+     "unsupported_parameter"),
+    ("forced tool call", {"messages": _msgs("user"), "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice", "unsupported_parameter"),
+    ("tool call required", {"messages": _msgs("user"), "tool_choice": "required"}, "tool_choice",
+     "unsupported_parameter"),
+    ("nested too deeply", b'{"x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", None, "invalid_json"),
 ]
 
 
@@ -356,7 +490,8 @@ def test_parse_accepts_openai_shapes():
         "stop": "\n\n", "stream": True, "stream_options": {"include_usage": True},
         "messages": [{"role": "developer", "content": "be brief"},
                      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
-        "edgespec": {"drafter": "lookup"}}).encode(), 16)
+        "edgespec": {"drafter": "lookup"}, "logprobs": False, "response_format": {"type": "text"},
+        "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}).encode(), 16)
     assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
     assert req.params == dict(max_tokens=9, temperature=0.0, top_p=1.0, seed=3, stop=("\n\n",), drafter="lookup")
     assert req.stream and req.include_usage
