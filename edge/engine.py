@@ -7,6 +7,7 @@ request (or chat turn) re-uses the longest common prefix and prefills only what 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import numbers
 import threading
@@ -27,6 +28,7 @@ from memory.planner import (DEFAULT_PRIORS, LatencyCurve, best_chain_length, bes
                             fullest, plain_call_rows)
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
+from .errors import EngineError  # re-exported: edge.EngineError, edge.engine.EngineError
 from .manifest import VERIFY_LEVELS, ModelDirError, check_drafter, load_manifest
 from .runner import HEAD_TOPK_MAX, HEAD_TOPK_NUCLEUS, GraphSession, open_session
 from .text import StreamDecoder, TextCodec
@@ -36,10 +38,6 @@ DEFAULT_CONTEXT = 4096  # tokens, when neither the caller nor a smaller export s
 # a drafter the adaptive length switched off is still tried with PROBE_K tokens every PROBE_EVERY steps, so its
 # acceptance estimate can recover when the text changes (a 3-row call costs ~1.15x a padded 1-token call here)
 PROBE_EVERY, PROBE_K = 8, 2
-
-
-class EngineError(Exception):
-    """Bad request or unusable state; the message says what to change."""
 
 
 def _is_int(v) -> bool:
@@ -58,6 +56,49 @@ class ContextFull(EngineError):
 
 class EngineBusy(EngineError):
     pass
+
+
+BUSY_HINT = ("in another thread, or an earlier stream() that was neither finished nor closed: call its close(), "
+             "or iterate it inside contextlib.closing")
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+class BadMessage(EngineError):
+    """A chat message the API cannot take; `param` names it as OpenAI's API does (`messages[2].content`)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # OpenAI's content parts: text only
+        texts = [x.get("text") for x in c if isinstance(x, dict) and x.get("type") == "text"]
+        if len(texts) == len(c) and all(isinstance(t, str) for t in texts):
+            return "\n".join(texts)
+        raise BadMessage(f"messages[{i}].content: only text parts are supported", f"messages[{i}].content")
+    raise BadMessage(f"bad message {i}: content must be a string or a list of text parts (got {c!r:.60})",
+                     f"messages[{i}].content")
+
+
+def normalize_messages(msgs) -> list[dict]:
+    """OpenAI-style messages → the chat template's: roles system/developer (a system message)/user/assistant/tool,
+    content a string or a list of text parts (joined by newlines). Other keys are kept for the template."""
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadMessage(f"bad message {i}: expected {{'role': ..., 'content': ...}} (got {m!r:.60})",
+                             f"messages[{i}]")
+        role = m.get("role")
+        if role not in ROLES:
+            raise BadMessage(f"bad message {i}: role {role!r}; expected one of {', '.join(ROLES)}",
+                             f"messages[{i}].role")
+        out.append({**m, "role": ROLES[role], "content": _content(m, i)})
+    return out
 
 
 @dataclass(frozen=True)
@@ -420,11 +461,12 @@ class Engine:
     # ------------------------------------------------------------------ drafters
     def _resolve(self, kind: str) -> str:
         if kind == "model" and not self.manifest.drafters:
-            raise ModelDirError(f"{self.model_dir}: no drafter graph in this export (re-export with --drafter-layers) "
-                                "or use --drafter lookup")
+            raise ModelDirError(f"{self.model_dir}: no drafter graph in this export (re-export with --drafter-layers), "
+                                "or use the lookup drafter (drafter='lookup', --drafter lookup)")
         if kind in ("recycling", "hybrid") and not self.target.topk:
             raise ModelDirError(f"{self.model_dir}: drafter {kind!r} needs the target's on-graph top-k output; "
-                                "re-export with this edgespec, or use --drafter lookup")
+                                "re-export with this edgespec, or use the lookup drafter (drafter='lookup', "
+                                "--drafter lookup)")
         if kind != "auto":
             return kind
         if not self.target.chains_exact:  # drafts would be verified by calls whose width changes the logits
@@ -456,8 +498,11 @@ class Engine:
             if switched:  # another graph: its own acceptance (from its measured agreement) and cost per token
                 self.acceptance.pop("model", None)
                 self._draft_ms = 0.0
+        # with a seed it drafts its argmax (a point mass, verified as lookup's drafts are): each emitted token is then
+        # one draw from p, so the answer equals plain sampling's with that seed whatever the drafter learned so far
+        # (sampled drafts draw per draft token, and how many it drafts depends on the acceptance it has measured)
         d = ModelDrafter(self._drafter_sess, self._id_map, self.manifest.arch["vocab"], threshold=0.0,
-                         temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, rng=rng,
+                         temperature=p.temperature if p.seed is None else 0.0, top_k=p.top_k, top_p=p.top_p, rng=rng,
                          input_vocab=self.manifest.arch_of(g)["vocab"])
         d.cached = self._drafter_cached  # shared list: the drafter cache outlives one request
         return d
@@ -482,16 +527,15 @@ class Engine:
                 raise EngineError("empty prompt: nothing to answer")
             msgs = [{"role": "user", "content": prompt_or_messages}]
         elif isinstance(prompt_or_messages, (list, tuple)):
-            msgs = list(prompt_or_messages)
+            msgs = normalize_messages(prompt_or_messages)
             if not msgs:
                 raise EngineError("no messages: give a prompt string or a non-empty list of {'role', 'content'} dicts")
-            for m in msgs:
-                if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") \
-                        or not isinstance(m.get("content"), str):
-                    raise EngineError(f"bad message {m!r}: expected {{'role': system|user|assistant, 'content': str}}")
         else:
             raise EngineError(f"prompt must be a string or a list of messages (got {type(prompt_or_messages).__name__})")
-        return self.codec.encode_chat(msgs)
+        try:
+            return self.codec.encode_chat(msgs)
+        except ValueError as e:  # the template refuses (roles that must alternate, no system message, ...)
+            raise EngineError(f"{e} (a rule of this model's chat template)") from e
 
     # ------------------------------------------------------------------ the loop
     def _prefill(self, ids: list[int], st: Stats) -> np.ndarray:
@@ -649,16 +693,25 @@ class Engine:
                         break
                 if len(out) + len(new) >= p.max_tokens:
                     new, finish = new[: p.max_tokens - len(out)], finish or "length"
-                if len(new) < verified:  # accepted drafts after an EOS are verified but never emitted: not counted
+                cut = -1
+                if p.stop:  # token by token: the answer's ids end with the one that completes a stop string, so
+                    for j, t in enumerate(new):  # they do not depend on how many tokens the step accepted
+                        if t in self.eos:  # ids keep EOS; text does not
+                            continue
+                        start = max(0, len(text) - hold)  # a new match ends in the text this token adds
+                        text += dec.push([t])
+                        cut = min((i for i in (text.find(s, start) for s in p.stop) if i >= 0), default=-1)
+                        if cut >= 0:
+                            new, text, finish = new[: j + 1], text[:cut], "stop"
+                            break
+                else:
+                    text += dec.push([t for t in new if t not in self.eos])
+                if len(new) < verified:  # drafts accepted past an EOS or a stop: verified, never emitted, not counted
                     st.accepted -= n_drafted - min(n_drafted, len(new))
                     n_drafted = min(n_drafted, len(new))
                 out += new
                 st.generated = len(out)
-                text += dec.push([t for t in new if t not in self.eos])  # ids keep EOS; text does not
-                cut = min((i for i in (text.find(s) for s in p.stop) if i >= 0), default=-1)
-                if cut >= 0:
-                    text, finish = text[:cut], "stop"
-                elif finish is None and self.target.cache.room() < 2:
+                if cut < 0 and finish is None and self.target.cache.room() < 2:
                     finish = "length"  # context window full
                 if finish is not None:
                     if cut < 0:
@@ -724,8 +777,8 @@ class Engine:
         p = GenerationParams(**_normalize(kw))
         ids = self.encode(prompt_or_messages, raw=raw)
         if not self._lock.acquire(blocking=False):
-            raise EngineBusy("this engine is already generating (in another thread, or an earlier stream() not yet "
-                             "finished or closed); serialize calls or load a second engine")
+            raise EngineBusy(f"this engine is already generating ({BUSY_HINT}); serialize calls or load a second "
+                             "engine")
         try:
             yield from self._run(ids, p)
         finally:
@@ -743,11 +796,27 @@ class Engine:
         earlier answers."""
         return copy.deepcopy((self.recycling, self.acceptance, self.token_acceptance, self._idle))
 
+    @contextlib.contextmanager
+    def _idle_engine(self, what: str):
+        """Hold the engine while `what` changes state a running generation uses (a reset under a live stream
+        used to empty the KV cache beneath it: the rest of that answer came from an empty context, silently)."""
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusy(f"cannot {what} while this engine is generating ({BUSY_HINT})")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def set_drafter_state(self, state) -> None:
-        self.recycling, self.acceptance, self.token_acceptance, self._idle = copy.deepcopy(state)
+        with self._idle_engine("set the drafter state"):
+            self.recycling, self.acceptance, self.token_acceptance, self._idle = copy.deepcopy(state)
 
     def reset(self, keep_drafter_state: bool = False) -> None:
         """Forget the KV cache; Token Recycling's matrix and the lookup history survive only if asked."""
+        with self._idle_engine("reset"):
+            self._reset(keep_drafter_state)
+
+    def _reset(self, keep_drafter_state: bool) -> None:
         self._rewind_to(0)
         if not keep_drafter_state:
             self.recycling = RecyclingDrafter(self.manifest.arch["vocab"], chains_only=not self.target.tree_exact)
@@ -764,6 +833,10 @@ def _normalize(kw: dict) -> dict:
         kw["stop"] = (s,) if isinstance(s, str) else tuple(s)
     elif "stop" in kw:
         kw["stop"] = ()
+    for name in ("temperature", "top_p"):  # any real number (Fraction, numpy's) as the float the kernels take
+        v = kw.get(name)
+        if isinstance(v, numbers.Real) and not isinstance(v, (bool, float)):
+            kw[name] = float(v)
     known = set(GenerationParams.__dataclass_fields__)
     bad = [k for k in kw if k not in known]
     if bad:
@@ -807,8 +880,13 @@ class Chat:
                 self.dropped += 1
 
     def reset(self, keep_drafter_state: bool = False) -> None:
-        self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.engine.reset(keep_drafter_state)
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusy(f"cannot reset this chat while it is answering ({BUSY_HINT})")
+        try:
+            self.engine.reset(keep_drafter_state)
+            self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        finally:
+            self._lock.release()
 
     def send(self, text: str, **kw) -> Iterator[Chunk]:
         if not isinstance(text, str):
@@ -816,15 +894,17 @@ class Chat:
         if not text.strip():
             raise EngineError("empty message: nothing to answer")
         if not self._lock.acquire(blocking=False):
-            raise EngineBusy("this chat is already answering (in another thread, or an earlier send() not yet "
-                             "finished or closed); one turn at a time")
+            raise EngineBusy(f"this chat is already answering ({BUSY_HINT.replace('stream()', 'send()')}); one "
+                             "turn at a time")
         kept, dropped = list(self.messages), self.dropped
         try:
             self.messages.append({"role": "user", "content": text})
             answer, started = [], False
             try:
                 if self.overflow == "drop_oldest":
-                    self._fit(GenerationParams(**_normalize(dict(kw))).max_tokens)
+                    params = GenerationParams(**_normalize(dict(kw)))
+                    params.check(self.engine.context)  # a bad max_tokens is refused as such, not mid-arithmetic
+                    self._fit(params.max_tokens)
                 n, ctx = len(self.engine.encode(self.messages)), self.engine.context
                 if n >= ctx:
                     alone = len(self.messages) == 1 + bool(self.system)  # no earlier turn left to drop

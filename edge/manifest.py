@@ -15,6 +15,7 @@ import numpy as np
 
 from memory.footprint import kv_bytes_per_token
 
+from .errors import EngineError
 from .files import write_atomic
 
 FORMAT_VERSION = 2  # the newest format this edgespec reads (and writes when an export needs it)
@@ -29,7 +30,7 @@ FAST_HASH_BYTES = 16 << 20  # verify="fast" hashes files up to this size
 MANIFEST_NAME = "edge_model.json"
 
 
-class ModelDirError(Exception):
+class ModelDirError(EngineError):
     """A model directory that cannot be used; the message names the file and the fix."""
 
 

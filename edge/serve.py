@@ -32,12 +32,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .engine import DRAFTERS, EngineError
+from .engine import DRAFTERS, BadMessage, EngineError, normalize_messages
 from .manifest import ModelDirError
 
 log = logging.getLogger("edge.serve")
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MAX_BODY = 4 << 20  # bytes; a prompt past the context is refused anyway, this bounds the tokenizer's work
 MAX_STOP = 4  # OpenAI's limit
 SHUTDOWN_GRACE_S = 5  # after Ctrl-C / SIGTERM, uvicorn's wait for open requests (each was told to stop already)
@@ -90,35 +89,15 @@ def _int(body: dict, key: str, lo: int, param: str | None = None) -> int | None:
     return v
 
 
-def _content(m: dict, i: int) -> str:
-    c = m.get("content")
-    if isinstance(c, str):
-        return c
-    if isinstance(c, list):  # content parts: text only
-        texts = [p.get("text") for p in c if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) == len(c) and all(isinstance(t, str) for t in texts):
-            return "\n".join(texts)
-        raise ApiError(400, f"messages[{i}].content: only text parts are supported", f"messages[{i}].content",
-                       "invalid_value")
-    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts (got {c!r:.60})",
-                   f"messages[{i}].content", "invalid_value")
-
-
 def _messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages",
                        "missing_required_parameter" if msgs is None else "invalid_value")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise ApiError(400, f"messages[{i}] must be an object", f"messages[{i}]", "invalid_value")
-        role = m.get("role")
-        if role not in ROLES:
-            raise ApiError(400, f"messages[{i}].role {role!r}: expected one of {', '.join(ROLES)}",
-                           f"messages[{i}].role", "invalid_value")
-        out.append({"role": ROLES[role], "content": _content(m, i)})
-    return out
+    try:  # the engine's rules (roles, text parts); only role and content reach the template here
+        return [{"role": m["role"], "content": m["content"]} for m in normalize_messages(msgs)]
+    except BadMessage as e:
+        raise ApiError(400, str(e), e.param, "invalid_value") from None
 
 
 def _stop(body: dict) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ an accepted multi-token draft, absurd sampling values. Refusals are EngineErrors
 from __future__ import annotations
 
 import copy
+import dataclasses
 import re
 
 import pytest
@@ -357,3 +358,98 @@ def test_chat_failure_before_the_first_chunk_restores_the_history_and_after_it_k
     assert chat.messages[-2:] == [{"role": "user", "content": "and then?"}, {"role": "assistant", "content": shown[0]}]
     monkeypatch.undo()
     consistent(engine)
+
+
+# ----------------------------------------------------------------------------- what an embedding app passes
+
+def test_every_deliberate_error_is_an_engine_error(engine, tmp_path):
+    """An app catches edge.EngineError around load and generation: a model directory's problems and a drafter
+    the export lacks are EngineErrors too (they were bare ModelDirErrors)."""
+    assert issubclass(edge.ModelDirError, EngineError)
+    with pytest.raises(EngineError, match="edge_model.json|manifest"):
+        edge.load(tmp_path)
+    e = edge.load(engine.model_dir, drafter="none", context=64)
+    # as an export made without a drafter graph
+    e.manifest = dataclasses.replace(e.manifest, graphs=tuple(g for g in e.manifest.graphs if g.role != "drafter"))
+    with pytest.raises(EngineError, match="drafter='lookup'"):
+        e.generate("hello", max_tokens=4, drafter="model")
+
+
+def test_a_chat_template_refusal_is_an_engine_error(tiny_dir):
+    """Templates of Mistral, Llama-2 or Gemma raise for a system message or two user turns in a row; that was a
+    bare ValueError (and a 500 from edge-serve)."""
+    e = edge.load(tiny_dir, drafter="none", context=64)
+    e.codec._template_src = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                             "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}"
+                             "{% endfor %}")
+    e.codec._template = None
+    with pytest.raises(EngineError, match="System role not supported"):
+        e.generate([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}], max_tokens=4)
+    assert len(e.generate([{"role": "user", "content": "hi"}], max_tokens=4).token_ids) >= 1
+
+
+def test_openai_message_shapes_are_taken(engine):
+    """Content as a list of text parts and the `developer` role, as OpenAI clients send them (edge-serve took
+    them, the Python API refused them): the same prompt as the plain form."""
+    plain = engine.encode([{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}])
+    parts = engine.encode([{"role": "developer", "content": "be brief"},
+                           {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+    assert parts == plain
+    with pytest.raises(EngineError, match="only text parts"):
+        engine.encode([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(EngineError, match="role 'wizard'"):
+        engine.encode([{"role": "wizard", "content": "x"}])
+
+
+def test_stop_string_ids_do_not_depend_on_the_drafter(tiny_dir):
+    """The answer's ids end with the token that completes the stop string, whatever the drafter accepted in that
+    step (a lookup step that accepted 5 tokens used to keep all of them, and count them)."""
+    e = edge.load(tiny_dir, drafter="none", context=256)
+    prompt = "abc abc abc abc abc abc abc abc abc abc"
+    ref = e.generate(prompt, max_tokens=40, drafter="none")
+    text = ref.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip() and len(text) > 12, text
+    got = {}
+    for kind in ("none", "lookup", "hybrid"):
+        e.reset()
+        r = e.generate(prompt, max_tokens=40, drafter=kind, stop=[stop])
+        got[kind] = (r.text, r.token_ids, r.stats.generated)
+        assert r.finish_reason == "stop" and stop not in r.text and r.stats.generated == len(r.token_ids)
+        assert r.stats.accepted <= r.stats.drafted
+        assert stop in e.codec.decode(r.token_ids)  # the last id completes it
+        assert stop not in e.codec.decode(r.token_ids[:-1])
+        consistent(e)
+    assert got["lookup"] == got["none"] == got["hybrid"], got
+
+
+def test_seeded_sampling_with_the_model_drafter_reproduces(tiny_dir):
+    """With a seed the model drafter drafts its argmax, so each emitted token is one draw from p: the answer equals
+    plain sampling's with that seed, whatever the drafter learned before (it used to differ run to run)."""
+    e = edge.load(tiny_dir, drafter="none", context=256)
+    kw = dict(max_tokens=24, temperature=1.0, seed=7)
+    plain = e.generate("the quick brown fox", drafter="none", **kw).token_ids
+    runs = []
+    for warm in ("", "abc abc abc abc", "def add(a, b):"):
+        if warm:  # different history: different acceptance statistics and draft lengths
+            e.generate(warm, max_tokens=16, drafter="model", temperature=0.8)
+        r = e.generate("the quick brown fox", drafter="model", **kw)
+        runs.append(r.token_ids)
+        assert r.stats.drafter == "model"
+    assert all(ids == plain for ids in runs), (plain, runs)
+
+
+@pytest.mark.parametrize("bad", [None, "5", [5]])
+def test_drop_oldest_refuses_a_bad_max_tokens_by_name(small, bad):
+    chat = small.chat(overflow="drop_oldest")
+    with pytest.raises(EngineError, match="max_tokens"):
+        chat.ask("hello", max_tokens=bad)
+    assert chat.messages == []
+
+
+def test_any_real_number_is_a_temperature(engine):
+    from fractions import Fraction
+
+    a = engine.generate("hello", max_tokens=6, temperature=Fraction(7, 10), top_p=Fraction(9, 10), seed=3)
+    b = engine.generate("hello", max_tokens=6, temperature=0.7, top_p=0.9, seed=3)
+    assert a.token_ids == b.token_ids

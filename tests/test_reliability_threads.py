@@ -122,3 +122,35 @@ def test_one_chat_from_two_threads_keeps_its_history(engine):
     assert "another thread" in got["second"]
     assert [m["role"] for m in chat.messages] == ["user", "assistant"]
     assert chat.messages[0]["content"] == "the quick brown fox"
+
+
+def test_reset_or_new_drafter_state_under_a_live_stream_is_refused(engine, expected):
+    """A desktop app's "New chat" button may call reset() while an answer still streams (same thread, between
+    chunks, or another thread). It used to empty the KV cache beneath the generator: the rest of that answer came
+    from an empty context, silently. Now it is EngineBusy, and the answer goes on unchanged."""
+    p = PROMPTS[0]
+    chat = engine.chat()
+    state = engine.drafter_state()
+    stream = engine.stream(p, max_tokens=24, drafter="none")
+    ids = list(next(stream).token_ids)
+    for what in (engine.reset, lambda: engine.reset(keep_drafter_state=True), lambda: engine.set_drafter_state(state),
+                 chat.reset):
+        with pytest.raises(EngineBusy, match="close"):
+            what()
+    errors = []
+    other = threading.Thread(target=lambda: errors.append(pytest.raises(EngineBusy, engine.reset)))
+    other.start()
+    other.join(30)
+    assert len(errors) == 1  # the other thread was refused too
+    for ch in stream:
+        ids += ch.token_ids
+    assert ids == expected[p]
+    talk = chat.send("hello", max_tokens=8)  # a chat's own unfinished answer holds the chat
+    next(talk)
+    with pytest.raises(EngineBusy):
+        chat.reset()
+    talk.close()
+    chat.reset()  # once closed, all of these work
+    engine.set_drafter_state(state)
+    engine.reset()
+    assert chat.messages == [] and engine.generate(p, max_tokens=24, drafter="none").token_ids == expected[p]
