@@ -284,11 +284,43 @@ def _check_weights(config: ArchConfig, w: dict, where: str) -> None:
         raise CheckpointError(f"{where}: {len(missing)} weights missing, e.g. {missing[0]}")
     if not config.tie_embeddings and "lm_head.weight" not in w:
         raise CheckpointError(f"{where}: untied embeddings but no lm_head.weight")
+    _check_shapes(config, w, where)
     # a tensor the graph would not use (a bias, a norm) means the checkpoint computes something the export would not
     unused = sorted(n for n in set(w) - set(need) - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq"))
     if unused:
         raise CheckpointError(f"{where}: {len(unused)} weight(s) the fast exporter does not implement, e.g. "
                               f"{unused[0]}; edge-export --via optimum exports other layer variants")
+
+
+def _expected_shapes(c: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape (transformers' [out, in]) as the config describes the model."""
+    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab, c.hidden), "model.norm.weight": (c.hidden,),
+              "lm_head.weight": (c.vocab, c.hidden)}
+    per_layer = {"self_attn.q_proj.weight": (q, c.hidden), "self_attn.k_proj.weight": (kv, c.hidden),
+                 "self_attn.v_proj.weight": (kv, c.hidden), "self_attn.o_proj.weight": (c.hidden, q),
+                 "mlp.gate_proj.weight": (c.intermediate, c.hidden), "mlp.up_proj.weight": (c.intermediate, c.hidden),
+                 "mlp.down_proj.weight": (c.hidden, c.intermediate), "input_layernorm.weight": (c.hidden,),
+                 "post_attention_layernorm.weight": (c.hidden,), "self_attn.q_proj.bias": (q,),
+                 "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    for i in range(c.layers):
+        shapes.update({f"model.layers.{i}.{n}": s for n, s in per_layer.items()})
+    return shapes
+
+
+def _check_shapes(config: ArchConfig, w: dict, where: str) -> None:
+    """A config that disagrees with its weights (a stale or hand-edited config.json: a lost head_dim, another
+    kv-head count or vocabulary) is refused here, as transformers refuses it ("size mismatch"), instead of an
+    ONNX Runtime error mid-export or an export that cannot run."""
+    for name, want in _expected_shapes(config).items():
+        t = w.get(name)
+        got = tuple(getattr(t, "shape", ()))
+        if t is not None and got != want:
+            raise CheckpointError(
+                f"{where}: {name} has shape {list(got)} but the config (hidden {config.hidden}, heads "
+                f"{config.heads}, kv heads {config.kv_heads}, head_dim {config.head_dim}, intermediate "
+                f"{config.intermediate}, vocab {config.vocab}) implies {list(want)}; the config does not describe "
+                "these weights")
 
 
 # ----------------------------------------------------------------------------- GGUF

@@ -21,15 +21,18 @@ def causal_bias(s: int, past: int = 0) -> np.ndarray:
 
 class GraphRunner:
     def __init__(self, path: str, layers: int, kv_heads: int, head_dim: int, threads: int = 2,
-                 kv_dtype=np.float32):
+                 kv_dtype=None):
         import onnxruntime as ort
 
         from edge.runner import session_options
 
         # the runtime's options: latencies measured here price the runtime's calls
         self.sess = ort.InferenceSession(path, session_options(threads), providers=["CPUExecutionProvider"])
+        types = {i.name: i.type for i in self.sess.get_inputs()}
+        if kv_dtype is None:  # the graph's own: an fp16 graph keeps an fp16 cache
+            kv_dtype = np.float16 if types.get("past_key_values.0.key") == "tensor(float16)" else np.float32
         self.layers, self.kv_heads, self.head_dim, self.kv_dtype = layers, kv_heads, head_dim, kv_dtype
-        names = {i.name for i in self.sess.get_inputs()}
+        names = set(types)
         self._head = head_feeds(1) if set(HEAD_INPUTS) <= names else {}  # logits only: the head's cheapest call
 
     def _feeds(self, ids, pos, bias, past, keep=0):

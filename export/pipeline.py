@@ -416,8 +416,14 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     prompts = [codec.encode_chat([{"role": "user", "content": p}]) for p in calibration.PROMPTS]
     room = max_len - opts.calib_new_tokens  # calibration prompt + continuation must fit the graph's context
     if room < 16:
-        raise ValueError(f"--max-len {max_len} leaves no room for calibration ({opts.calib_new_tokens} new "
-                         "tokens per prompt); use --max-len 256 or more")
+        cap = (f"--max-len {max_len}" if opts.max_len <= c.max_positions else
+               f"the model's context of {max_len} positions (its max_position_embeddings, or its sliding window, "
+               "beyond which the export would not be exact)")
+        fix = " or ".join(([f"--calib-tokens {max_len - 16} or fewer"] if max_len > 16 else [])
+                          + ([f"a larger --max-len (up to the model's {c.max_positions})"]
+                             if opts.max_len < c.max_positions else [])) or "a model with a longer context"
+        raise ValueError(f"{cap} leaves no room for calibration ({opts.calib_new_tokens} new tokens per prompt "
+                         f"need {opts.calib_new_tokens + 16} positions); use {fix}")
     prompts = [p[-room:] for p in prompts]
     calib, held = prompts[: -calibration.HELD_OUT], prompts[-calibration.HELD_OUT :]
 
@@ -551,7 +557,9 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
             rel = f.relative_to(part).as_posix()
             files.append(FileEntry(rel, f.stat().st_size, sha256_file(f)))
     sizes = {f.path: f.bytes for f in files}
-    graphs = [GraphEntry(**{**asdict(g), "weight_bytes": sizes[g.file] + sizes.get(g.file + ".data", 0)})
+    # fp16 graphs keep an fp16 KV cache (what the runtime allocates and the footprint model counts)
+    graphs = [GraphEntry(**{**asdict(g), "weight_bytes": sizes[g.file] + sizes.get(g.file + ".data", 0),
+                            "kv_dtype": "float16" if g.precision == "fp16" else "float32"})
               for g in graphs]
     report["export_seconds"] = round(time.time() - t0, 1)
     m = Manifest(

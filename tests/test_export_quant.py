@@ -463,6 +463,22 @@ def test_fp16_graph_builds_loads_and_runs(tiny_llama, graph_file, prompts):
         assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
 
 
+def test_fp16_export_runs_end_to_end(tiny_llama_dir, tmp_path):
+    """The whole pipeline at fp16: its own measurement calls feed an fp16 cache (they fed fp32 and the export died
+    in ONNX Runtime), and the manifest records kv_dtype float16, which the runtime allocates (it said float32)."""
+    import edge
+    from conftest import tiny_export_options
+    from export.pipeline import export_model
+
+    m = export_model(tiny_llama_dir, tmp_path / "out", tiny_export_options(precision="fp16"), progress=False)
+    assert {g.kv_dtype for g in m.graphs} == {"float16"} and m.parity["top1_agreement"] >= 0.9
+    e = edge.load(tmp_path / "out", drafter="none", context=128)
+    plain = e.generate("the quick brown fox", max_tokens=16, drafter="none").token_ids
+    for kind in ("lookup", "hybrid", "model"):
+        e.reset()
+        assert e.generate("the quick brown fox", max_tokens=16, drafter=kind).token_ids == plain, kind
+
+
 def test_embedding_is_block_quantized_in_its_own_initializer(tiny_llama, tiny_untied_dir, graph_file):
     """Quantized graphs gather the embedding from its own block-quantized rows (not the tied head's: those would
     stay resident, while the embedding's memory-mapped rows are read only where used); float graphs keep a Gather."""

@@ -196,3 +196,32 @@ def test_sliding_window_exports_are_capped_at_the_window_and_exact_there(tmp_pat
         windowed = model(torch.tensor([longer])).logits[0, -1].numpy()
         unwindowed = full(torch.tensor([longer])).logits[0, -1].numpy()
     assert np.abs(windowed - unwindowed).max() > 1e-2
+
+
+@pytest.mark.parametrize("edit,tensor", [
+    ({"num_key_value_heads": 1}, "k_proj.weight"),  # weights for 2 KV heads
+    ({"vocab_size": VOCAB + 16}, "embed_tokens.weight"),  # used to export "fine" and fail at the first generate
+    ({"intermediate_size": 96}, "gate_proj.weight"),
+    ({"head_dim": 32}, "q_proj.weight"),  # a config that gained (or, for Mistral-Nemo-like models, lost) head_dim
+    ({"num_attention_heads": 8, "num_key_value_heads": 4}, "q_proj.weight"),
+])
+def test_a_config_that_does_not_describe_its_weights_is_refused(tmp_path, edit, tensor):
+    """As transformers refuses it ("size mismatch"): one line naming the tensor, its shape and the config's, instead
+    of an ONNX Runtime error mid-export or an export that cannot run."""
+    build_checkpoint(tmp_path, "llama")
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(CheckpointError, match=rf"{tensor} has shape \[\d+, \d+\] but the config .* implies"):
+        load_hf_dir(tmp_path)
+
+
+def test_a_short_model_context_is_named_when_calibration_does_not_fit(tmp_path):
+    """The cap came from the model (max_position_embeddings 64), not from --max-len; the advice used to be
+    "use --max-len 256 or more", which changes nothing."""
+    from export.pipeline import export_model
+
+    build_checkpoint(tmp_path / "ck", "llama")
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    (tmp_path / "ck" / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 64}))
+    with pytest.raises(ValueError, match=r"model's context of 64 positions .* use --calib-tokens 48 or fewer$"):
+        export_model(tmp_path / "ck", tmp_path / "out", tiny_export_options(calib_new_tokens=64), progress=False)
