@@ -55,7 +55,6 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-
 def _client_gone() -> ApiError:
     """What a handler whose client has left is told (nginx's 499; nobody reads it, but the handler must wake)."""
     return ApiError(499, "client closed the request", code="client_closed")
@@ -211,7 +210,7 @@ def parse_chat_request(raw: bytes, default_max_tokens: int) -> ChatRequest:
 
 # ---------------------------------------------------------------------------------------------- the engine's thread
 
-@dataclass
+@dataclass(eq=False)  # a job is itself (Worker.withdraw finds it in the queue by identity)
 class Job:
     """One request handed to the worker; results come back on the event loop through `out`."""
     request: ChatRequest
