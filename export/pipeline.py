@@ -416,7 +416,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     prompts = [codec.encode_chat([{"role": "user", "content": p}]) for p in calibration.PROMPTS]
     room = max_len - opts.calib_new_tokens  # calibration prompt + continuation must fit the graph's context
     if room < 16:
-        cap = (f"--max-len {max_len}" if opts.max_len <= c.max_positions else
+        cap = (f"--max-len {max_len}" if opts.max_len < c.max_positions else
                f"the model's context of {max_len} positions (its max_position_embeddings, or its sliding window, "
                "beyond which the export would not be exact)")
         fix = " or ".join(([f"--calib-tokens {max_len - 16} or fewer"] if max_len > 16 else [])
