@@ -250,7 +250,8 @@ class Worker:
         otherwise wait for every running and queued generation to finish)."""
         with self._cv:
             self._stopping = True
-            dropped, self.waiting = list(self.waiting), collections.deque()
+            dropped = list(self.waiting)
+            self.waiting.clear()  # the same deque: a submit this handler interrupted appends where drain looks
             if self.current is not None:
                 self.current.cancel.set()
             self._cv.notify_all()
@@ -282,6 +283,14 @@ class Worker:
                                     f"{self.max_queue}); retry later", code="server_busy")
             self.waiting.append(job)
             self._cv.notify()
+            # a Ctrl-C / SIGTERM handler (drain) may have run on this thread between the check above and the
+            # append, the lock being re-entrant: then nobody would ever answer this job
+            if self._stopping:
+                try:
+                    self.waiting.remove(job)
+                except ValueError:  # drain took it after the append and answered it 503
+                    return
+                raise ApiError(503, "server is shutting down", code="shutting_down")
 
     def status(self) -> dict:
         with self._cv:
@@ -304,8 +313,9 @@ class Worker:
                     self.counts[outcome] += 1
 
     def _serve(self, job: Job) -> str:
-        if job.cancel.is_set():  # the client left while queued (its handler still waits for an answer)
-            job.emit("error", _client_gone())
+        if job.cancel.is_set():  # the client left while queued, or a shutdown began (its handler still waits)
+            job.emit("error", ApiError(503, "server is shutting down", code="shutting_down") if self._stopping
+                     else _client_gone())
             return "cancelled"
         e, req = self.engine, job.request
         try:

@@ -307,6 +307,28 @@ def test_a_job_whose_client_left_before_it_ran_is_still_answered():
     assert job.done.is_set() and job.items == [("error", job.items[0][1])] and job.items[0][1].status == 499
 
 
+def test_a_shutdown_that_lands_inside_submit_still_answers_the_request():
+    """The Ctrl-C / SIGTERM handler (drain) runs on the event-loop thread, between any two bytecodes, and the queue's
+    lock is re-entrant: landing between submit's check and its append, it used to leave the request queued on a
+    worker that had stopped, unanswered until uvicorn's grace period cut the connection."""
+    import collections
+
+    worker = Worker(engine=None)
+
+    class Interrupted(collections.deque):
+        def append(self, job):
+            worker.drain()  # as if the signal arrived here
+            super().append(job)
+
+    worker.waiting = Interrupted()
+    with pytest.raises(ApiError) as e:
+        worker.submit(_job(CONV))
+    assert e.value.status == 503 and e.value.code == "shutting_down" and worker.status()["waiting"] == 0
+    job = _job(CONV)  # a job the worker took just as the shutdown began: 503, not "client closed"
+    job.cancel.set()
+    assert worker._serve(job) == "cancelled" and job.items[0][1].status == 503
+
+
 def test_shutdown_stops_the_running_generation_and_answers_the_queue():
     """Ctrl-C / SIGTERM (uvicorn's handle_exit) drains the worker first: the running answer ends within a chunk
     with a 503 shutting_down, queued requests get the same, new ones are refused. Before, uvicorn's graceful
