@@ -61,6 +61,17 @@ class EngineBusy(EngineError):
 BUSY_HINT = ("in another thread, or an earlier stream() that was neither finished nor closed: call its close(), "
              "or iterate it inside contextlib.closing")
 
+
+@contextlib.contextmanager
+def _holding(lock: threading.Lock, busy: str):
+    """Hold `lock` for the block, or raise EngineBusy(busy) at once if a generation (or a chat turn) holds it."""
+    if not lock.acquire(blocking=False):
+        raise EngineBusy(busy)
+    try:
+        yield
+    finally:
+        lock.release()
+
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -776,13 +787,9 @@ class Engine:
     def stream(self, prompt_or_messages, raw: bool = False, **kw) -> Iterator[Chunk]:
         p = GenerationParams(**_normalize(kw))
         ids = self.encode(prompt_or_messages, raw=raw)
-        if not self._lock.acquire(blocking=False):
-            raise EngineBusy(f"this engine is already generating ({BUSY_HINT}); serialize calls or load a second "
-                             "engine")
-        try:
+        with _holding(self._lock, f"this engine is already generating ({BUSY_HINT}); serialize calls or load a "
+                      "second engine"):
             yield from self._run(ids, p)
-        finally:
-            self._lock.release()
 
     def generate(self, prompt_or_messages, raw: bool = False, **kw) -> GenerationResult:
         return collect(self.stream(prompt_or_messages, raw=raw, **kw), self)
@@ -796,33 +803,21 @@ class Engine:
         earlier answers."""
         return copy.deepcopy((self.recycling, self.acceptance, self.token_acceptance, self._idle))
 
-    @contextlib.contextmanager
-    def _idle_engine(self, what: str):
-        """Hold the engine while `what` changes state a running generation uses (a reset under a live stream
-        used to empty the KV cache beneath it: the rest of that answer came from an empty context, silently)."""
-        if not self._lock.acquire(blocking=False):
-            raise EngineBusy(f"cannot {what} while this engine is generating ({BUSY_HINT})")
-        try:
-            yield
-        finally:
-            self._lock.release()
-
+    # both change state a running generation uses (a reset under a live stream used to empty the KV cache beneath
+    # it: the rest of that answer came from an empty context, silently), so both hold the engine
     def set_drafter_state(self, state) -> None:
-        with self._idle_engine("set the drafter state"):
+        with _holding(self._lock, f"cannot set the drafter state while this engine is generating ({BUSY_HINT})"):
             self.recycling, self.acceptance, self.token_acceptance, self._idle = copy.deepcopy(state)
 
     def reset(self, keep_drafter_state: bool = False) -> None:
         """Forget the KV cache; Token Recycling's matrix and the lookup history survive only if asked."""
-        with self._idle_engine("reset"):
-            self._reset(keep_drafter_state)
-
-    def _reset(self, keep_drafter_state: bool) -> None:
-        self._rewind_to(0)
-        if not keep_drafter_state:
-            self.recycling = RecyclingDrafter(self.manifest.arch["vocab"], chains_only=not self.target.tree_exact)
-            self.lookup = LookupDrafter()
-        if self.plan is not None:  # an empty context: planned as at load
-            self.plan = self._replan(self.context // 2)
+        with _holding(self._lock, f"cannot reset while this engine is generating ({BUSY_HINT})"):
+            self._rewind_to(0)
+            if not keep_drafter_state:
+                self.recycling = RecyclingDrafter(self.manifest.arch["vocab"], chains_only=not self.target.tree_exact)
+                self.lookup = LookupDrafter()
+            if self.plan is not None:  # an empty context: planned as at load
+                self.plan = self._replan(self.context // 2)
 
 
 def _normalize(kw: dict) -> dict:
@@ -880,24 +875,18 @@ class Chat:
                 self.dropped += 1
 
     def reset(self, keep_drafter_state: bool = False) -> None:
-        if not self._lock.acquire(blocking=False):
-            raise EngineBusy(f"cannot reset this chat while it is answering ({BUSY_HINT})")
-        try:
+        with _holding(self._lock, f"cannot reset this chat while it is answering ({BUSY_HINT})"):
             self.engine.reset(keep_drafter_state)
             self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        finally:
-            self._lock.release()
 
     def send(self, text: str, **kw) -> Iterator[Chunk]:
         if not isinstance(text, str):
             raise EngineError(f"a chat message is a string (got {type(text).__name__})")
         if not text.strip():
             raise EngineError("empty message: nothing to answer")
-        if not self._lock.acquire(blocking=False):
-            raise EngineBusy(f"this chat is already answering ({BUSY_HINT.replace('stream()', 'send()')}); one "
-                             "turn at a time")
-        kept, dropped = list(self.messages), self.dropped
-        try:
+        with _holding(self._lock, f"this chat is already answering ({BUSY_HINT.replace('stream()', 'send()')}); "
+                      "one turn at a time"):
+            kept, dropped = list(self.messages), self.dropped
             self.messages.append({"role": "user", "content": text})
             answer, started = [], False
             try:
@@ -925,8 +914,6 @@ class Chat:
             finally:
                 if self.messages and self.messages[-1]["role"] == "user":
                     self.messages.append({"role": "assistant", "content": "".join(answer)})
-        finally:
-            self._lock.release()
 
     def ask(self, text: str, **kw) -> GenerationResult:
         return collect(self.send(text, **kw), self.engine)
