@@ -310,7 +310,7 @@ def main(argv=None) -> int:
 
 def _main(a) -> int:
     import edge
-    from edge import EngineError, ModelDirError
+    from edge import EngineError
 
     try:
         if a.plan:
@@ -333,7 +333,7 @@ def _main(a) -> int:
         print(flush=True)  # a closed pipe shows here, inside main(), not at interpreter exit
         print(_stats_line(engine.last_stats), file=sys.stderr)
         return 0
-    except (EngineError, ModelDirError, ValueError) as e:
+    except (EngineError, ValueError) as e:  # ModelDirError is an EngineError
         print(f"edge-chat: error: {e}", file=sys.stderr)
         return 2
 

@@ -369,7 +369,7 @@ def main(argv=None) -> int:
         print(f"edge-profile: error: {e}", file=sys.stderr)
         return 2
     import edge
-    from edge import EngineError, ModelDirError
+    from edge import EngineError
 
     from memory.footprint import DEFAULT_CALIBRATIONS
 
@@ -388,7 +388,7 @@ def main(argv=None) -> int:
         want = max(a.latency_context + max(a.sizes) + 8, ENGINE_CONTEXT)
         cap = load_manifest(model_dir, verify="none").target.max_len  # a smaller export: as much as it holds
         engine = edge.Engine(model_dir, drafter="none", threads=a.threads, context=min(want, cap))
-    except (EngineError, ModelDirError, ValueError) as e:
+    except (EngineError, ValueError) as e:  # ModelDirError is an EngineError
         print(f"edge-profile: error: {e}", file=sys.stderr)
         return 2
     m = engine.manifest
@@ -491,11 +491,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         stopped = _running_step(steps, timer)
         print(f"edge-profile: interrupted during the {stopped} step; writing what was measured", file=sys.stderr)
-    except (EngineError, ModelDirError, ValueError, RuntimeError, OSError, subprocess.SubprocessError) as e:
+    except (EngineError, ValueError, RuntimeError, OSError, subprocess.SubprocessError) as e:
         stopped, failed = _running_step(steps, timer), str(e) or type(e).__name__
         print(f"edge-profile: error: {failed.splitlines()[0]} (in the {stopped} step); writing what was measured",
               file=sys.stderr)
-        if not isinstance(e, (EngineError, ModelDirError)):  # perhaps a bug: keep where it came from
+        if not isinstance(e, EngineError):  # perhaps a bug: keep where it came from
             import traceback
 
             doc["traceback"] = traceback.format_exc()

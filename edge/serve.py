@@ -674,7 +674,7 @@ def main(argv=None) -> int:
 
     try:
         engine = edge.load(a.model_dir, **{k: v for k, v in vars(a).items() if k in _load_params()})
-    except (EngineError, ModelDirError, ValueError) as e:
+    except (EngineError, ValueError) as e:  # ModelDirError is an EngineError
         print(f"edge-serve: error: {e}", file=sys.stderr)
         return 2
     from .cli import chat_context_problem
