@@ -60,6 +60,11 @@ def _client_gone() -> ApiError:
     return ApiError(499, "client closed the request", code="client_closed")
 
 
+def _shutting_down(detail: str = "") -> ApiError:
+    """What every request still queued or running is told once Ctrl-C / SIGTERM began the shutdown."""
+    return ApiError(503, "server is shutting down" + detail, code="shutting_down")
+
+
 # ---------------------------------------------------------------------------------------------- request parsing
 
 @dataclass
@@ -256,7 +261,7 @@ class Worker:
                 self.current.cancel.set()
             self._cv.notify_all()
         for job in dropped:
-            job.emit("error", ApiError(503, "server is shutting down", code="shutting_down"))
+            job.emit("error", _shutting_down())
 
     def stop(self, timeout: float = 10.0) -> None:
         self.drain()
@@ -276,7 +281,7 @@ class Worker:
     def submit(self, job: Job) -> None:
         with self._cv:
             if self._stopping:
-                raise ApiError(503, "server is shutting down", code="shutting_down")
+                raise _shutting_down()
             if len(self.waiting) + (self.current is not None) > self.max_queue:
                 self.counts["rejected"] += 1
                 raise ApiError(503, f"server busy: {len(self.waiting)} request(s) already waiting (--max-queue "
@@ -290,7 +295,7 @@ class Worker:
                     self.waiting.remove(job)
                 except ValueError:  # drain took it after the append and answered it 503
                     return
-                raise ApiError(503, "server is shutting down", code="shutting_down")
+                raise _shutting_down()
 
     def status(self) -> dict:
         with self._cv:
@@ -314,8 +319,7 @@ class Worker:
 
     def _serve(self, job: Job) -> str:
         if job.cancel.is_set():  # the client left while queued, or a shutdown began (its handler still waits)
-            job.emit("error", ApiError(503, "server is shutting down", code="shutting_down") if self._stopping
-                     else _client_gone())
+            job.emit("error", _shutting_down() if self._stopping else _client_gone())
             return "cancelled"
         e, req = self.engine, job.request
         try:
@@ -336,8 +340,7 @@ class Worker:
             finally:
                 stream.close()  # the engine rolls its cache back to what was emitted
             if stopped and self._stopping:  # stopped by a shutdown, not by its client: say so
-                job.emit("error", ApiError(503, "server is shutting down; the answer was cut short",
-                                           code="shutting_down"))
+                job.emit("error", _shutting_down("; the answer was cut short"))
             else:
                 job.emit("done", e.last_stats)
             return "cancelled" if stopped else "completed"
