@@ -271,29 +271,33 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _check_weights(config: ArchConfig, w: dict, where: str) -> None:
-    need = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(config.layers):
-        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            need.append(f"model.layers.{i}.{n}.weight")
-        need += [f"model.layers.{i}.input_layernorm.weight", f"model.layers.{i}.post_attention_layernorm.weight"]
-        if config.qkv_bias:
-            need += [f"model.layers.{i}.self_attn.{p}.bias" for p in ("q_proj", "k_proj", "v_proj")]
-    missing = [n for n in need if n not in w]
+    shapes = _expected_shapes(config)
+    missing = [n for n in shapes if n != "lm_head.weight" and n not in w]
     if missing:
         raise CheckpointError(f"{where}: {len(missing)} weights missing, e.g. {missing[0]}")
     if not config.tie_embeddings and "lm_head.weight" not in w:
         raise CheckpointError(f"{where}: untied embeddings but no lm_head.weight")
-    _check_shapes(config, w, where)
+    # a config that disagrees with its weights (a stale or hand-edited config.json: a lost head_dim, another kv-head
+    # count or vocabulary) is refused here, as transformers refuses it ("size mismatch"), instead of an ONNX Runtime
+    # error mid-export or an export that cannot run
+    for name, want in shapes.items():
+        got = tuple(getattr(w.get(name), "shape", want))
+        if got != want:
+            raise CheckpointError(
+                f"{where}: {name} has shape {list(got)} but the config (hidden {config.hidden}, heads "
+                f"{config.heads}, kv heads {config.kv_heads}, head_dim {config.head_dim}, intermediate "
+                f"{config.intermediate}, vocab {config.vocab}) implies {list(want)}; the config does not describe "
+                "these weights")
     # a tensor the graph would not use (a bias, a norm) means the checkpoint computes something the export would not
-    unused = sorted(n for n in set(w) - set(need) - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq"))
+    unused = sorted(n for n in set(w) - set(shapes) if not n.endswith("rotary_emb.inv_freq"))
     if unused:
         raise CheckpointError(f"{where}: {len(unused)} weight(s) the fast exporter does not implement, e.g. "
                               f"{unused[0]}; edge-export --via optimum exports other layer variants")
 
 
 def _expected_shapes(c: ArchConfig) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape (transformers' [out, in]) as the config describes the model."""
+    """Every tensor the graph reads (transformers' names, in checkpoint order), with the shape ([out, in]) the config
+    gives it; lm_head.weight is read only when the embeddings are untied."""
     q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
     shapes = {"model.embed_tokens.weight": (c.vocab, c.hidden), "model.norm.weight": (c.hidden,),
               "lm_head.weight": (c.vocab, c.hidden)}
@@ -301,26 +305,13 @@ def _expected_shapes(c: ArchConfig) -> dict[str, tuple[int, ...]]:
                  "self_attn.v_proj.weight": (kv, c.hidden), "self_attn.o_proj.weight": (c.hidden, q),
                  "mlp.gate_proj.weight": (c.intermediate, c.hidden), "mlp.up_proj.weight": (c.intermediate, c.hidden),
                  "mlp.down_proj.weight": (c.hidden, c.intermediate), "input_layernorm.weight": (c.hidden,),
-                 "post_attention_layernorm.weight": (c.hidden,), "self_attn.q_proj.bias": (q,),
-                 "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+                 "post_attention_layernorm.weight": (c.hidden,)}
+    if c.qkv_bias:
+        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+                          "self_attn.v_proj.bias": (kv,)})
     for i in range(c.layers):
         shapes.update({f"model.layers.{i}.{n}": s for n, s in per_layer.items()})
     return shapes
-
-
-def _check_shapes(config: ArchConfig, w: dict, where: str) -> None:
-    """A config that disagrees with its weights (a stale or hand-edited config.json: a lost head_dim, another
-    kv-head count or vocabulary) is refused here, as transformers refuses it ("size mismatch"), instead of an
-    ONNX Runtime error mid-export or an export that cannot run."""
-    for name, want in _expected_shapes(config).items():
-        t = w.get(name)
-        got = tuple(getattr(t, "shape", ()))
-        if t is not None and got != want:
-            raise CheckpointError(
-                f"{where}: {name} has shape {list(got)} but the config (hidden {config.hidden}, heads "
-                f"{config.heads}, kv heads {config.kv_heads}, head_dim {config.head_dim}, intermediate "
-                f"{config.intermediate}, vocab {config.vocab}) implies {list(want)}; the config does not describe "
-                "these weights")
 
 
 # ----------------------------------------------------------------------------- GGUF
