@@ -245,7 +245,7 @@ def _print_plan(a) -> int:
     from pathlib import Path
 
     import edge
-    from edge.manifest import load_manifest
+    from edge.manifest import ModelDirError, load_manifest, require_drafter_graph
     from edge.planning import plan_report, profile_for
 
     d = Path(a.model) if a.model else edge.ensure_default_model()
@@ -255,10 +255,12 @@ def _print_plan(a) -> int:
         print(f"edge-chat: error: {e}", file=sys.stderr)
         return 2
     m = load_manifest(d, verify="none")
-    if a.drafter == "model" and not m.drafters:  # as loading with it would refuse, instead of planning without it
-        print(f"edge-chat: error: {d}: no drafter graph in this export for --drafter model (re-export with "
-              "--drafter-layers, or choose another --drafter)", file=sys.stderr)
-        return 2
+    if a.drafter == "model":  # as loading with it would refuse, instead of planning without it
+        try:
+            require_drafter_graph(d, m)
+        except ModelDirError as e:
+            print(f"edge-chat: error: {e}", file=sys.stderr)
+            return 2
     if a.context and a.context > m.target.max_len:  # as edge.load says it
         print(f"edge-chat: error: --context {a.context} is more than the {m.target.max_len} tokens {d} was exported "
               "for", file=sys.stderr)

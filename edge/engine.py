@@ -29,7 +29,7 @@ from memory.planner import (DEFAULT_PRIORS, LatencyCurve, best_chain_length, bes
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .errors import EngineError  # re-exported: edge.EngineError, edge.engine.EngineError
-from .manifest import VERIFY_LEVELS, ModelDirError, check_drafter, load_manifest
+from .manifest import VERIFY_LEVELS, ModelDirError, check_drafter, load_manifest, require_drafter_graph
 from .runner import HEAD_TOPK_MAX, HEAD_TOPK_NUCLEUS, GraphSession, open_session
 from .text import StreamDecoder, TextCodec
 
@@ -471,9 +471,8 @@ class Engine:
 
     # ------------------------------------------------------------------ drafters
     def _resolve(self, kind: str) -> str:
-        if kind == "model" and not self.manifest.drafters:
-            raise ModelDirError(f"{self.model_dir}: no drafter graph in this export (re-export with --drafter-layers), "
-                                "or use the lookup drafter (drafter='lookup', --drafter lookup)")
+        if kind == "model":
+            require_drafter_graph(self.model_dir, self.manifest)
         if kind in ("recycling", "hybrid") and not self.target.topk:
             raise ModelDirError(f"{self.model_dir}: drafter {kind!r} needs the target's on-graph top-k output; "
                                 "re-export with this edgespec, or use the lookup drafter (drafter='lookup', "

@@ -222,6 +222,14 @@ def load_manifest(model_dir: str | os.PathLike, verify: str = "size") -> Manifes
     return m
 
 
+def require_drafter_graph(model_dir: str | os.PathLike, m: Manifest) -> None:
+    """The model drafter runs an exported drafter graph: refused the same way by `edge.load` and `edge-chat --plan`
+    (which plans from the manifest without loading the target)."""
+    if not m.drafters:
+        raise ModelDirError(f"{model_dir}: no drafter graph in this export for the model drafter (re-export with "
+                            "--drafter-layers), or use another drafter (drafter='lookup', --drafter lookup)")
+
+
 def check_drafter(model_dir: str | os.PathLike, m: Manifest, g: GraphEntry) -> None:
     """A drafter graph belongs to this target: its vocabulary and id map (trimmed logit index → target token id)
     fit the target's vocabulary. Checked at load time, before the drafter's session is ever built."""

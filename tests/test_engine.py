@@ -333,7 +333,7 @@ def test_memory_plan_drives_the_drafter_and_refuses_too_small_budgets(tiny_dir):
     # to see the whole one
 
 
-def test_model_drafter_without_drafter_graph_is_a_clear_error(tmp_path, tiny_llama_dir):
+def test_model_drafter_without_drafter_graph_is_a_clear_error(tmp_path, tiny_llama_dir, capsys):
     from export.pipeline import ExportOptions, export_model
 
     out = tmp_path / "nodrafter"
@@ -342,6 +342,10 @@ def test_model_drafter_without_drafter_graph_is_a_clear_error(tmp_path, tiny_lla
     e = edge.load(out, drafter="lookup", context=256)
     with pytest.raises(ModelDirError, match="no drafter graph"):
         e.generate("hi", max_tokens=4, drafter="model")
+    from edge.cli import main  # --plan plans from the manifest alone, and refuses the same way
+
+    assert main(["--model", str(out), "--plan", "--drafter", "model", "--context", "64"]) == 2
+    assert f"edge-chat: error: {out}: no drafter graph" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("drafter", ["none", "model", "recycling"])
