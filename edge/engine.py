@@ -371,21 +371,22 @@ class Engine:
             kind = self._resolve(asked)
         else:
             kind = self.plan.drafter if self.plan.drafter != "none" else self._own
-        if kind != "model":
-            self._drafter_sess = None
         if kind == "none" or (following and kind == self.plan.drafter):
-            return kind, self.plan.nodes
-        from .planning import fitting_nodes
+            n = self.plan.nodes
+        else:
+            from .planning import fitting_nodes
 
-        graph = self._model_graph().name if kind == "model" else None
-        n = fitting_nodes(self.manifest, self.profile, context, self.plan.budget_mb, kind, draft_graph=graph,
-                          min_call=self.target.min_call, capacity=self.context, sampling=sampling)
-        if n == 0 and following:
-            return "none", 0
-        if kind == "model" and n == 0:
-            raise EngineError(f"drafter 'model' does not fit the {self.plan.budget_mb:g} MB memory budget at "
-                              f"context {context} (its session and KV cache); leave the drafter unset to follow the "
-                              f"plan ({self.plan.drafter})")
+            graph = self._model_graph().name if kind == "model" else None
+            n = fitting_nodes(self.manifest, self.profile, context, self.plan.budget_mb, kind, draft_graph=graph,
+                              min_call=self.target.min_call, capacity=self.context, sampling=sampling)
+            if kind == "model" and n == 0 and not following:
+                raise EngineError(f"drafter 'model' does not fit the {self.plan.budget_mb:g} MB memory budget at "
+                                  f"context {context} (its session and KV cache); leave the drafter unset to follow "
+                                  f"the plan ({self.plan.drafter})")
+            if n == 0:
+                kind = "none"
+        if kind != "model":  # the drafter session's memory is budgeted only while a request uses it
+            self._drafter_sess = None
         return kind, n
 
     def _verify_ms(self, s: int) -> float:

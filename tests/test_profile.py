@@ -381,6 +381,27 @@ def test_a_model_drafter_session_lives_only_while_a_plan_uses_it(tiny_dir, tmp_p
     assert r.stats.drafter == "model" and r.stats.drafted > 0 and r.token_ids == ref and e._drafter_sess is not None
 
 
+def test_a_model_drafter_session_is_dropped_when_the_budget_stops_fitting_it(tiny_dir, tmp_path):
+    """A chat that grows past what the budget allows the model drafter falls back to plain decoding, and its
+    session goes with it (it stayed open, unbudgeted, when the fallback came from the budget)."""
+    from edge.planning import fitting_nodes
+
+    cal = calibration(tmp_path, 0.95)
+    probe = edge.load(tiny_dir, context=256, calibration=cal, drafter="model")
+    fits = lambda budget, ctx: fitting_nodes(probe.manifest, probe.profile, ctx, budget, "model",  # noqa: E731
+                                             min_call=probe.target.min_call, capacity=256)
+    lo, hi = 1.0, 1e4  # the smallest budget (to 0.01 MB) that fits the model drafter at context 220
+    while hi - lo > 0.01:
+        lo, hi = (lo, (lo + hi) / 2) if fits((lo + hi) / 2, 220) else ((lo + hi) / 2, hi)
+    budget = lo
+    assert fits(budget, 20) and not fits(budget, 220)
+    e = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=budget, drafter="model")
+    r = e.generate("the quick brown fox", max_tokens=8)
+    assert r.stats.drafter == "model" and e._drafter_sess is not None
+    r = e.generate("the quick brown fox", max_tokens=200)  # planned for prompt + 200 tokens: no room for it
+    assert r.stats.drafter == "none" and e._drafter_sess is None
+
+
 def test_a_plan_for_plain_decoding_still_probes_and_can_recover(tiny_dir, tmp_path):
     """A plan made from a poor turn predicts plain decoding fastest; the engine's own drafter still runs within
     the budget with its adaptive length, whose probes keep measuring, so drafting comes back when it pays."""
