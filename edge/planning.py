@@ -3,6 +3,7 @@ the device profile, and the plan report `edge-chat --plan --json` prints. Decisi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -114,6 +115,20 @@ def capabilities(manifest: Manifest, tree_exact: bool | None = None) -> dict:
     return {"drafters": tuple(drafters), "tree_drafters": ("recycling", "hybrid") if tree_exact else ()}
 
 
+def expected_min_call(manifest: Manifest) -> int:
+    """The narrowest call the runtime will make (GraphSession's probe at load), read off the manifest for plans made
+    without a session: our graphs pad a 1-token query to two rows inside the graph, so a lone token is already the
+    first row of a wider call (1); an optimum graph's probe ran at export and is in its parity report."""
+    if manifest.target.io == "optimum":
+        return int(manifest.parity.get("min_call", 2))
+    return 1
+
+
+def _mb_up(x: float) -> float:
+    """A lower bound printed to 0.1 MB, rounded up so that the printed figure itself fits."""
+    return math.ceil(round(x * 10, 6)) / 10
+
+
 def make_plan(manifest: Manifest, profile, context: int, budget_mb: float | None, *, stats=None, min_call: int = 2,
               capacity: int | None = None, tree_exact: bool | None = None, sampling: bool = False,
               drafter: str = "auto") -> Plan:
@@ -145,20 +160,23 @@ def fitting_nodes(manifest: Manifest, profile, context: int, budget_mb: float, d
     return max(fit, default=0)
 
 
-def plan_report(manifest: Manifest, profile, context: int, budget_mb: float | None, min_call: int = 2,
+def plan_report(manifest: Manifest, profile, context: int, budget_mb: float | None, min_call: int | None = None,
                 at: int | None = None, drafter: str = "auto", sampling: bool = False) -> dict:
     """What `edge-chat --plan --json` prints for an engine of `context` slots holding `at` tokens (default: full)
-    loaded with `drafter`, for greedy or sampled answers: the plan, predicted peaks, and both lower bounds."""
+    loaded with `drafter`, for greedy or sampled answers: the plan, predicted peaks, and both lower bounds.
+    `min_call`: the narrowest call, as the loaded engine probes it (default: `expected_min_call`)."""
     caps = _drafter_caps(manifest, drafter)
+    if min_call is None:
+        min_call = expected_min_call(manifest)
     last = fullest(context, plain_call_rows(profile, min_call)) if at is None else at
     out = {"device": profile.name, "simulated": getattr(profile, "simulated", False), "context": context,
            "calibration": (profile.calibration or {}).get("source"),
-           "budget_mb": budget_mb if budget_mb is not None else profile.budget_mb,
-           "min_budget_plain_mb": round(min_budget_plain(manifest, last, profile, min_call=min_call,
-                                                         capacity=context), 1)}
+           "budget_mb": budget_mb if budget_mb is not None else profile.budget_mb, "min_call": min_call,
+           "min_budget_plain_mb": _mb_up(min_budget_plain(manifest, last, profile, min_call=min_call,
+                                                          capacity=context))}
     spec_lb = min_budget_speculative(manifest, last, None, profile, min_call=min_call, capacity=context,
                                      sampling=sampling, **caps)
-    out["min_budget_speculative_mb"] = None if spec_lb is None else round(spec_lb, 1)
+    out["min_budget_speculative_mb"] = None if spec_lb is None else _mb_up(spec_lb)
     try:
         p = make_plan(manifest, profile, last, budget_mb, min_call=min_call, capacity=context, drafter=drafter,
                       sampling=sampling)

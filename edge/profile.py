@@ -582,7 +582,7 @@ def budget_chat(model_dir, items, turns: int, context: int, max_tokens: int, bud
     from memory.planner import min_budget_speculative
 
     from .manifest import load_manifest
-    from .planning import capabilities, plan_report, profile_for
+    from .planning import capabilities, expected_min_call, plan_report, profile_for
 
     m = load_manifest(model_dir, verify="none")
     context = min(context, m.target.max_len)  # a smaller export: as much as it holds (edge-chat refuses more)
@@ -597,7 +597,8 @@ def budget_chat(model_dir, items, turns: int, context: int, max_tokens: int, bud
             raise ValueError(f"the unconstrained edge-chat pass answered no turn (exit {r0.returncode}): "
                              + " / ".join(r0.stderr.strip().splitlines()[-3:]))
         last = max(r["planned_for_context"] for r in free)
-        lb = min_budget_speculative(m, last, None, profile, min_call=2, capacity=context, **capabilities(m))
+        lb = min_budget_speculative(m, last, None, profile, min_call=expected_min_call(m), capacity=context,
+                                    **capabilities(m))
         if lb is None:
             raise ValueError("no speculative plan is predicted faster than plain decoding at this calibration; "
                              "pass --chat-budget-mb")

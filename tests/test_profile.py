@@ -456,8 +456,27 @@ def test_static_shape_buckets_plan_to_the_end_of_the_context(tiny_dir, tmp_path)
     e.target.min_call = 2  # as for a graph whose 1-row calls are padded
     r = e.generate("the quick brown fox", max_tokens=200, drafter="none")
     assert r.finish_reason == "length" and e.plan.context == 64 - 4
-    rep = plan_report(e.manifest, e.profile, 64, None)  # edge-chat --plan: the same end
+    rep = plan_report(e.manifest, e.profile, 64, None, min_call=2)  # edge-chat --plan: the same end
     assert rep["fits"] and rep["plan"]["context"] == 60, rep
+
+
+def test_plan_report_is_the_plan_the_engine_runs_and_its_lower_bounds_fit(tiny_dir, tmp_path):
+    """`edge-chat --plan` plans without loading the target: it takes the narrowest call the engine's probe finds
+    (it assumed 2 rows, pricing plain decoding as a 2-row call and planning one token short), and its printed
+    lower bounds are budgets that fit (rounded to the nearest 0.1 MB, half of them were refused)."""
+    from edge.planning import plan_report
+    from memory.planner import fullest, plain_call_rows
+
+    cal = calibration(tmp_path, 0.3)
+    e = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=1e4)
+    rep = plan_report(e.manifest, e.profile, 256, 1e4)
+    assert rep["min_call"] == e.target.min_call
+    assert rep["plan"] == e._replan(fullest(256, plain_call_rows(e.profile, e.target.min_call))).to_dict()
+    for ctx in range(100, 140):
+        rep = plan_report(e.manifest, e.profile, ctx, 1e4)
+        assert plan_report(e.manifest, e.profile, ctx, rep["min_budget_plain_mb"])["fits"], (ctx, rep)
+        at = plan_report(e.manifest, e.profile, ctx, rep["min_budget_speculative_mb"])
+        assert at["fits"] and at["plan"]["drafter"] != "none", (ctx, rep, at)  # the bound buys a drafter
 
 
 def test_predicted_kv_bytes_are_the_allocated_buffers(tiny_dir):
