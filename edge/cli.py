@@ -20,17 +20,19 @@ def peak_rss_mb() -> float:
     return peak_rss_bytes() / 2**20
 
 
-def int_at_least(minimum: int):
-    """argparse type: a whole number >= minimum."""
+def int_at_least(minimum: int, maximum: int | None = None):
+    """argparse type: a whole number >= minimum (and <= maximum, if given)."""
     def parse(text: str) -> int:
         try:
             n = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"{n} must be at least {minimum}")
+        if n < minimum or (maximum is not None and n > maximum):
+            raise argparse.ArgumentTypeError(f"{n} must be at least {minimum}" if maximum is None else
+                                             f"{n} must be in [{minimum}, {maximum}]")
         return n
-    parse.__name__ = "positive_int" if minimum == 1 else f"int_at_least_{minimum}"  # argparse names it in errors
+    parse.__name__ = ("positive_int" if minimum == 1 else f"int_at_least_{minimum}") if maximum is None else \
+        f"int_in_{minimum}_{maximum}"  # argparse names it in errors
     return parse
 
 

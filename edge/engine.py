@@ -35,6 +35,7 @@ from .text import StreamDecoder, TextCodec
 
 DRAFTERS = ("auto", "hybrid", "recycling", "model", "lookup", "none")
 DEFAULT_CONTEXT = 4096  # tokens, when neither the caller nor a smaller export says otherwise
+MAX_DRAFT_LEN = 64  # draft tokens per call a request may ask for (draft_len)
 # a drafter the adaptive length switched off is still tried with PROBE_K tokens every PROBE_EVERY steps, so its
 # acceptance estimate can recover when the text changes (a 3-row call costs ~1.15x a padded 1-token call here)
 PROBE_EVERY, PROBE_K = 8, 2
@@ -143,8 +144,8 @@ class GenerationParams:
             raise EngineError(f"top_k must be an integer >= 0 (got {self.top_k!r}); 0 disables it")
         if self.drafter is not None and self.drafter not in DRAFTERS:
             raise EngineError(f"drafter {self.drafter!r}: choose one of {', '.join(DRAFTERS)}")
-        if self.draft_len is not None and not (0 <= self.draft_len <= 64):
-            raise EngineError(f"draft_len must be in [0, 64] (got {self.draft_len!r})")
+        if self.draft_len is not None and not (0 <= self.draft_len <= MAX_DRAFT_LEN):
+            raise EngineError(f"draft_len must be in [0, {MAX_DRAFT_LEN}] (got {self.draft_len!r})")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             raise EngineError(f"seed must be an integer >= 0 or None (got {self.seed!r})")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -33,7 +33,8 @@ from pathlib import Path
 
 from .bench import add_workload_args, read_workload
 from .cli import int_at_least, non_negative_int, positive_float, positive_int
-from .engine import DRAFTERS
+from .engine import DRAFTERS, MAX_DRAFT_LEN
+from .runner import MAX_CALL
 
 STEPS = ("latency", "acceptance", "speed", "memory")
 EXTRA_STEPS = ("chat",)  # only when asked: a budgeted edge-chat session (see budget_chat)
@@ -41,9 +42,9 @@ ENGINE_CONTEXT = 4096  # KV slots of the engine that measures latency and accept
 med = statistics.median
 
 
-def _int_list(minimum: int):
-    """argparse type: comma-separated whole numbers, each >= minimum, at least one."""
-    one = int_at_least(minimum)
+def _int_list(minimum: int, maximum: int | None = None):
+    """argparse type: comma-separated whole numbers, each >= minimum (and <= maximum), at least one."""
+    one = int_at_least(minimum, maximum)
 
     def parse(text: str) -> list[int]:
         vals = [one(x) for x in text.split(",") if x.strip()]
@@ -71,8 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", default=",".join(STEPS),
                     help=f"comma-separated subset of {','.join(STEPS)} (default all four), plus {','.join(EXTRA_STEPS)}: "
                          "a budgeted edge-chat session, only when named")
-    ap.add_argument("--sizes", type=_int_list(1), default="1,2,3,4,6,8,12,16,24,32,48,65",
-                    help="rows per call for the latency curve (default 1,2,3,4,6,8,12,16,24,32,48,65)")
+    ap.add_argument("--sizes", type=_int_list(1, MAX_CALL), default="1,2,3,4,6,8,12,16,24,32,48,65",
+                    help=f"rows per call for the latency curve, each 1-{MAX_CALL} (default 1,2,3,4,6,8,12,16,24,32,48,65)")
     ap.add_argument("--latency-context", type=positive_int, default=256,
                     help="cached tokens before each latency call (default 256)")
     ap.add_argument("--latency-reps", type=positive_int, default=7,
@@ -81,12 +82,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="prompts taken from each category (0 = all; default 1)")
     ap.add_argument("--max-prompt-tokens", type=positive_int, default=768,
                     help="skip prompts longer than this (default 768: keeps the run short)")
-    ap.add_argument("--accept-k", type=positive_int, default=16,
-                    help="chain length drafted while measuring acceptance (default 16)")
-    ap.add_argument("--accept-k-model", type=positive_int, default=4,
+    ap.add_argument("--accept-k", type=int_at_least(1, MAX_DRAFT_LEN), default=16,
+                    help=f"chain length drafted while measuring acceptance, 1-{MAX_DRAFT_LEN} (default 16)")
+    ap.add_argument("--accept-k-model", type=int_at_least(1, MAX_DRAFT_LEN), default=4,
                     help="the same for a model drafter, whose every draft token costs a drafter call (default 4)")
     ap.add_argument("--max-tokens", type=positive_int, default=64, help="new tokens per answer (acceptance and speed; default 64)")
-    ap.add_argument("--sweep-ks", type=_int_list(1), default="1,2,4,8,16,64", help="draft lengths / tree node budgets swept (default 1,2,4,8,16,64)")
+    ap.add_argument("--sweep-ks", type=_int_list(1, MAX_DRAFT_LEN), default="1,2,4,8,16,64",
+                    help=f"draft lengths / tree node budgets swept, each 1-{MAX_DRAFT_LEN} (default 1,2,4,8,16,64)")
     ap.add_argument("--sweep-drafters", type=_drafter_list, default="recycling,hybrid,lookup",
                     help="drafters swept (comma-separated; default recycling,hybrid,lookup)")
     ap.add_argument("--sweep-prompts", type=positive_int, default=2,
@@ -95,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--budget-mb", type=positive_float,
                     help="budget for the planner's choice (default: the host profile's)")
     ap.add_argument("--contexts", type=_int_list(1), default="256,1024,4096", help="contexts of the memory sweep (default 256,1024,4096)")
-    ap.add_argument("--mem-ks", type=_int_list(0), default="0,16", help="draft lengths of the memory sweep (0 = plain decoding; default 0,16)")
+    ap.add_argument("--mem-ks", type=_int_list(0, MAX_DRAFT_LEN), default="0,16",
+                    help=f"draft lengths of the memory sweep, each 0-{MAX_DRAFT_LEN} (0 = plain decoding; default 0,16)")
     ap.add_argument("--mem-drafter", choices=[d for d in DRAFTERS if d not in ("auto", "none")],
                     default="lookup", help="drafter of the memory sweep's speculative runs (default lookup)")
     ap.add_argument("--specmemo-context", type=non_negative_int, default=1024,
@@ -212,7 +215,7 @@ def measure_acceptance(engine, items, k: int, k_model: int, max_tokens: int, pro
     from memory.acceptance import AcceptanceStats
     from memory.planner import DEFAULT_PRIORS
 
-    from .engine import EngineError
+    from .engine import ContextFull
 
     out, counters = {}, {}
     kinds = chain_kinds(engine)
@@ -221,20 +224,26 @@ def measure_acceptance(engine, items, k: int, k_model: int, max_tokens: int, pro
         engine.acceptance[kind] = AcceptanceStats(DEFAULT_PRIORS.get(kind, (0.3, 1.0))[0], beta=1e-3,
                                                   prior_weight=1.0)
     for it in items:
+        # every drafter starts this prompt from what the earlier prompts taught, never from another drafter's run
+        # of this very prompt (Token Recycling would recall its answer: measured ~50x too high)
+        before, after = engine.drafter_state(), None
         for kind in kinds:  # the same prompt for every drafter: prefilled once, then re-used from the KV cache
+            _restore_drafting(engine, before)
             chat, c = engine.chat(), acc[kind]
             for turn in it["turns"]:
                 try:
                     r = chat.ask(turn, max_tokens=max_tokens, drafter=kind,
                                  draft_len=k_model if kind == "model" else k)
-                except EngineError:  # a prompt longer than the context: skipped
+                except ContextFull:  # a prompt longer than the context: skipped
                     break
                 c["steps"] += r.stats.steps
                 c["accepted"] += r.stats.accepted
                 c["drafted"] += r.stats.drafted
                 c["overhead"].append(r.stats.overhead_ms_per_step)
+            after = after or engine.drafter_state()
             if prog:
                 prog.step(f"acceptance {kind}")
+        _restore_drafting(engine, after or before)
     for kind in kinds:
         st, c = engine.acceptance[kind], acc[kind]
         given = st.expected_accepted(k_model if kind == "model" else k)  # draft_rate is 1 in the engine's stats
@@ -249,6 +258,14 @@ def measure_acceptance(engine, items, k: int, k_model: int, max_tokens: int, pro
     return out, counters
 
 
+def _restore_drafting(engine, state) -> None:
+    """Put back what drafting had learned (`Engine.drafter_state`) but keep the acceptance statistics being
+    measured."""
+    measured = engine.acceptance
+    engine.set_drafter_state(state)
+    engine.acceptance = measured
+
+
 # ---------------------------------------------------------------------------------------------- speed
 def speed_sweep(engine, items, configs: list[tuple[str, str | None, int | None]], reps: int, max_tokens: int,
                 plan0, prog) -> dict:
@@ -256,19 +273,31 @@ def speed_sweep(engine, items, configs: list[tuple[str, str | None, int | None]]
     a rotated order, `reps` times. Label "plan" runs the engine's planned drafter with adaptive K (re-planned from
     `plan0` each time, so runs are alike); "unmanaged" the given drafter with adaptive K and no plan (no cap). → {label: {"tok_s": median, "runs": [...]}}"""
     runs: dict[str, list[float]] = {c[0]: [] for c in configs}
-    first_item = items[0]["turns"][0]
-    engine.generate(first_item, max_tokens=8)  # warm-up
+    fresh = engine.drafter_state()
+    engine.generate(items[0]["turns"][0], max_tokens=8, drafter="none")  # warm-up
+    engine.set_drafter_state(fresh)
+    # every run of a prompt drafts from what the earlier prompts taught, never from this prompt's own earlier runs
+    # (Token Recycling would recall them: a config's second repeat ran ~3x its first)
+    before: list = []
     for rep in range(reps):
         for i, it in enumerate(items):
+            if rep == 0:
+                before.append(engine.drafter_state())
+            after = None
             j = (i + rep) % len(configs)
             for label, drafter, k in configs[j:] + configs[:j]:  # the prompt is prefilled once, then re-used
+                engine.set_drafter_state(before[i])
                 # only "plan" runs under the memory plan; every other config (an explicit drafter and length, or
                 # "unmanaged": the engine's default) runs without one, so nothing caps what it measures
                 engine.plan = plan0 if label == "plan" else None
                 r = engine.generate(it["turns"][0], max_tokens=max_tokens, drafter=drafter, draft_len=k)
                 runs[label].append(r.stats.decode_tok_s)
+                if label != "none":
+                    after = after or engine.drafter_state()
                 if prog:
                     prog.step(f"speed {label}")
+            if rep == 0:
+                engine.set_drafter_state(after or before[i])
     return summarize_speed(runs)
 
 
@@ -359,9 +388,9 @@ def main(argv=None) -> int:
     a = _parser().parse_args(argv)
     steps = [s.strip() for s in a.steps.split(",") if s.strip()]
     bad = sorted(set(steps) - set(STEPS) - set(EXTRA_STEPS))
-    if bad:
-        print(f"edge-profile: error: unknown step(s) {bad}; choose among {', '.join(STEPS + EXTRA_STEPS)}",
-              file=sys.stderr)
+    if bad or not steps:
+        what = f"unknown step(s) {bad}" if bad else f"--steps {a.steps!r} names no step"
+        print(f"edge-profile: error: {what}; choose among {', '.join(STEPS + EXTRA_STEPS)}", file=sys.stderr)
         return 2
     try:
         items = load_prompts(a.prompts, a.prompts_per_category)
@@ -371,11 +400,11 @@ def main(argv=None) -> int:
     import edge
     from edge import EngineError
 
-    from memory.footprint import DEFAULT_CALIBRATIONS
+    from memory.footprint import Calibration
 
     from .files import unwritable_dir
     from .manifest import load_manifest
-    from .planning import default_calibration_path, load_calibration, model_identity, profile_for
+    from .planning import default_calibration_path, model_identity, profile_for
 
     t_start = time.time()
     out = Path(a.out)
@@ -399,7 +428,16 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     sizes, sweep_ks, contexts, mem_ks = a.sizes, a.sweep_ks, a.contexts, a.mem_ks
-    contexts = [c for c in contexts if c + max(mem_ks + [0]) * 2 + 40 <= m.target.max_len]
+    if "memory" in steps:  # each memory run needs room for its drafts beside the context
+        room = m.target.max_len - max(mem_ks) * 2 - 40
+        if not [c for c in contexts if c <= room]:
+            print(f"edge-profile: error: no --contexts value fits {model_dir}'s {m.target.max_len} tokens with "
+                  f"--mem-ks {max(mem_ks)} drafts (at most {max(room, 0)} here)", file=sys.stderr)
+            return 2
+        if [c for c in contexts if c > room]:
+            print(f"edge-profile: note: skipping --contexts {[c for c in contexts if c > room]}: more than the "
+                  f"{room} tokens this export holds beside --mem-ks {max(mem_ks)} drafts", file=sys.stderr)
+        contexts = [c for c in contexts if c <= room]
     sweep_items = round_robin(items)[: a.sweep_prompts]
     sweep_drafters = a.sweep_drafters
     n_configs = 3 + len(sweep_drafters) * len(sweep_ks)
@@ -422,8 +460,10 @@ def main(argv=None) -> int:
                  "prompts": {"file": a.prompts, "used": [it.get("id") for it in items],
                              "skipped_too_long": n_all - len(items)}}
     cal_path = out / "calibration.json"
-    if not {"latency", "acceptance"} & set(steps) and cal_path.is_file():  # e.g. --steps speed: re-use the last
-        cal = {k: v for k, v in load_calibration(cal_path).items() if k != "path"}
+    kept = _earlier_sections(cal_path, cal["model"], measuring=set(steps))  # a run of some steps updates only theirs
+    if kept:
+        cal.update(kept)
+        cal["source"] += f"; {', '.join(kept)} from an earlier run in {out}"
     # the memory runs' prompt text: every prompt of the file, so the vocabulary grows with the context as in real
     # use (the embedding's resident part depends on how many distinct tokens were looked up)
     text = " ".join(t for it in load_prompts(a.prompts, 0) for t in it["turns"])
@@ -462,7 +502,7 @@ def main(argv=None) -> int:
             del eng
         timer["speed"], t = round(time.time() - t, 1), time.time()
         if "memory" in steps:
-            mcal = cal.get("memory")
+            mcal = {"memory": cal["memory"]} if "memory" in cal else None  # what edge.memprobe predicts with
             pts = []
             for c in contexts:
                 for k in mem_ks:
@@ -478,8 +518,8 @@ def main(argv=None) -> int:
                 prog.step("memory specmemo", 2)
                 doc["memory"]["specmemo_points"] = pair
                 doc["specmemo"] = specmemo_pair(pair, max(plan0.nodes, 1), top, doc.get("speed"))
-            base = DEFAULT_CALIBRATIONS["cpu"].baseline_mb
-            cal["memory"] = {"baseline_mb": fit_baseline(pts, base)}
+            base = Calibration.from_dict(cal.get("memory"), "cpu").baseline_mb  # the baseline the probes predicted with
+            cal["memory"] = {**cal.get("memory", {}), "baseline_mb": fit_baseline(pts, base)}
             doc["memory"]["fitted_baseline_mb"] = cal["memory"]["baseline_mb"]
             cal_path.write_text(json.dumps(cal, indent=1))
         timer["memory"], t = round(time.time() - t, 1), time.time()
@@ -529,6 +569,23 @@ def main(argv=None) -> int:
         print(doc["memory"]["table"])
     print(f"wrote {out / 'calibration.json'} and {out / 'profile.json'}", file=sys.stderr)
     return 0 if not stopped else 1 if failed else 130  # 130: the shell's code for a run ended by Ctrl-C
+
+
+def _earlier_sections(path: Path, model: dict, measuring: set[str]) -> dict:
+    """The calibration sections (latency, acceptance, memory) an earlier run in this --out directory measured for
+    the same export and this run does not re-measure."""
+    from .planning import CalibrationError, load_calibration
+
+    if not path.is_file():
+        return {}
+    try:
+        old = load_calibration(path)
+    except CalibrationError as e:
+        print(f"edge-profile: note: not re-using {path}: {e}", file=sys.stderr)
+        return {}
+    if old.get("model") != model:
+        return {}
+    return {k: old[k] for k in ("latency", "acceptance", "memory") if k in old and k not in measuring}
 
 
 def _running_step(steps: list[str], timer: dict) -> str:

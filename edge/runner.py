@@ -18,6 +18,7 @@ from .manifest import GraphEntry, Manifest
 
 NEG = np.finfo(np.float32).min
 F32_TINY, F32_MAX = float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max)
+MAX_CALL = 256  # rows of one call with every row's logits kept (prefill chunks keep only the last row)
 HEAD_TOPK_MAX = 256  # sampling with top_k up to this reads the head's k probabilities alone (exact: the cut is inside)
 HEAD_TOPK_NUCLEUS = 64  # top-p without top-k: the head's k, enough for the nucleus of most rows (else the logits)
 
@@ -47,7 +48,7 @@ class GraphSession:
     run_s = 0.0  # seconds inside ONNX Runtime over this session's life (the engine's Stats.ort_s reads it)
 
     def __init__(self, path: str, manifest: Manifest, graph: GraphEntry, capacity: int, threads: int = 2,
-                 providers=("CPUExecutionProvider",), max_call: int = 256):
+                 providers=("CPUExecutionProvider",), max_call: int = MAX_CALL):
         import onnxruntime as ort
 
         self.ort = ort

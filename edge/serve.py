@@ -32,7 +32,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .engine import DRAFTERS, BadMessage, EngineError, normalize_messages
+from .engine import DRAFTERS, MAX_DRAFT_LEN, BadMessage, EngineError, normalize_messages
 from .manifest import ModelDirError
 
 log = logging.getLogger("edge.serve")
@@ -130,8 +130,8 @@ def _extensions(body: dict) -> dict:
         out["drafter"] = ext["drafter"]
     k = _int(ext, "draft_len", 0, "edgespec.draft_len")
     if k is not None:
-        if k > 64:
-            raise ApiError(400, f"edgespec.draft_len must be in [0, 64] (got {k})", "edgespec.draft_len",
+        if k > MAX_DRAFT_LEN:
+            raise ApiError(400, f"edgespec.draft_len must be in [0, {MAX_DRAFT_LEN}] (got {k})", "edgespec.draft_len",
                            "invalid_value")
         out["draft_len"] = k
     return out

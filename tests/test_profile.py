@@ -94,7 +94,9 @@ def test_edge_profile_bad_numbers_are_argument_errors(prompts, tmp_path, flags):
     ["--steps", "speed", "--budget-mb", "-5"], ["--steps", "speed", "--sweep-drafters", "foo"],
     ["--steps", "speed", "--sweep-prompts", "0"], ["--steps", "memory", "--mem-ks", "4", "--mem-drafter", "foo"],
     ["--steps", "chat", "--chat-turns", "0"], ["--steps", "acceptance", "--accept-k", "-3"],
-    ["--steps", "acceptance", "--accept-k", "0"]])
+    ["--steps", "acceptance", "--accept-k", "0"], ["--steps", "acceptance", "--accept-k", "65"],
+    ["--steps", "acceptance", "--accept-k-model", "65"], ["--steps", "speed", "--sweep-ks", "1,65"],
+    ["--steps", "memory", "--mem-ks", "0,65"], ["--steps", "latency", "--sizes", "1,5000"]])
 def test_edge_profile_bad_values_are_refused_before_the_model_loads(tiny_dir, prompts, tmp_path, flags):
     """Not minutes into the run, by the step that uses them: argparse's exit 2 naming the flag, nothing written."""
     r = _run(["edge.profile", str(prompts), "--model", str(tiny_dir), "--out", str(tmp_path / "o"), "--quiet",
@@ -133,6 +135,82 @@ def test_edge_profile_cut_short_writes_this_runs_steps_and_installs_nothing(tiny
         doc = json.loads((out / "profile.json").read_text())
         assert doc["stopped"]["step"] == "acceptance" and "latency" in doc
         assert not default_calibration_path(tiny_dir).exists()
+
+
+@pytest.mark.parametrize("flags,said", [
+    (["--steps", ""], "names no step"), (["--steps", " , "], "names no step"),
+    (["--steps", "memory", "--contexts", "100000"], "no --contexts value fits")])
+def test_edge_profile_runs_that_would_measure_nothing_are_refused(tiny_dir, prompts, tmp_path, flags, said):
+    """They exited 0 having done nothing, or failed mid-run with "max() arg is an empty sequence"."""
+    r = _run(["edge.profile", str(prompts), "--model", str(tiny_dir), "--out", str(tmp_path / "o"), "--quiet",
+              "--specmemo-context", "0", *flags])
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "o" / "calibration.json").exists()
+
+
+def test_edge_profile_a_run_of_some_steps_keeps_the_other_sections(tiny_dir, prompts, tmp_path, capsys):
+    """Re-measuring latency alone kept no acceptance, and acceptance alone no latency: the planner silently fell
+    back to its defaults for the rest. Sections of another export are not kept."""
+    from edge import profile
+
+    out = tmp_path / "prof"
+    small = ["--model", str(tiny_dir), "--out", str(out), "--quiet", "--sizes", "1,2", "--latency-reps", "1",
+             "--latency-context", "16", "--max-tokens", "4", "--accept-k", "2"]
+    assert profile.main([str(prompts), *small, "--steps", "latency"]) == 0
+    first = load_calibration(out / "calibration.json")
+    assert profile.main([str(prompts), *small, "--steps", "acceptance"]) == 0
+    cal = load_calibration(out / "calibration.json")
+    assert cal["latency"]["target"] == first["latency"]["target"] and "lookup" in cal["acceptance"]
+    assert "latency from an earlier run" in cal["source"]
+    assert profile.main([str(prompts), *small, "--steps", "latency"]) == 0
+    assert "lookup" in load_calibration(out / "calibration.json")["acceptance"]
+    doc = json.loads((out / "calibration.json").read_text())
+    doc["model"]["target_sha256"] = "another export"
+    (out / "calibration.json").write_text(json.dumps(doc))
+    assert profile.main([str(prompts), *small, "--steps", "latency"]) == 0
+    assert "acceptance" not in load_calibration(out / "calibration.json")
+    capsys.readouterr()
+
+
+def test_each_drafter_measures_acceptance_from_the_same_state(tiny_dir, prompts, monkeypatch):
+    """Token Recycling learns from every run: measured after lookup and the model drafter had answered the same
+    prompt, it recalled their answer (accepted ~50x more than when it ran first). Now its counts do not depend on
+    which drafters ran before it."""
+    from edge import profile
+
+    items = profile.load_prompts(str(prompts), 0)[:1]  # one prompt: what carries over to the next does not count
+    got = []
+    for kinds in (["recycling", "hybrid"], ["lookup", "model", "hybrid", "recycling"]):
+        monkeypatch.setattr(profile, "chain_kinds", lambda engine, kinds=kinds: kinds)
+        e = edge.load(tiny_dir, context=256)
+        counters = profile.measure_acceptance(e, items, 4, 2, 24, None)[1]
+        got.append({k: {n: v for n, v in c.items() if n != "overhead_ms_per_step"} for k, c in counters.items()})
+    alone, after = got
+    for kind in ("recycling", "hybrid"):
+        assert alone[kind]["steps"] > 0 and alone[kind] == after[kind], (kind, alone[kind], after[kind])
+
+
+def test_speed_sweep_repeats_draft_alike(tiny_dir, prompts):
+    """A config's second repeat drafted from what its first (and every other config) had learnt on the same
+    prompt: ~3x the first's accepted tokens. Every run of a prompt now starts from the same drafting state."""
+    from edge import profile
+
+    e = edge.load(tiny_dir, context=256)
+    seen = {}
+    real = e.generate
+
+    def generate(prompt, **kw):
+        r = real(prompt, **kw)
+        seen.setdefault((prompt, kw.get("drafter"), kw.get("draft_len")), []).append(r.stats.accepted)
+        return r
+    e.generate = generate
+    items = profile.load_prompts(str(prompts), 0)
+    configs = [("none", "none", None), ("chain:recycling:4", "recycling", 4), ("chain:hybrid:4", "hybrid", 4)]
+    profile.speed_sweep(e, items, configs, 3, 24, None, None)
+    runs = {k: v for k, v in seen.items() if k[1] in ("recycling", "hybrid")}
+    assert len(runs) == 4 and any(sum(v) for v in runs.values())
+    for k, v in runs.items():
+        assert len(v) == 3 and len(set(v)) == 1, (k, v)
 
 
 def test_edge_profile_output_under_a_file_is_one_clear_line(tiny_dir, prompts, tmp_path):
