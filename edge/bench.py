@@ -3,14 +3,17 @@
 Modes alternate per prompt (so drift of the machine's speed hits every mode alike), each prompt is repeated
 --reps times, and figures are medians. Every run of a prompt starts from the drafter state the earlier prompts
 left (Token Recycling's tables, acceptance statistics), never from one that has seen this prompt's own answer.
-Every mode's greedy output is compared token for token with `none`. With --temp > 0 the modes sample instead (a
-prompt's repeat r uses seed --seed + r in every mode); speculative sampling draws the target's distribution, not
-its sample, so outputs are not compared.
+Every mode's output is compared token for token with `none`'s in the same repeat. With --temp > 0 the modes sample
+instead (a prompt's repeat r uses seed --seed + r in every mode); seeded, every drafter draws the very answer plain
+sampling draws (drafts are checked against one draw per emitted token; a seeded model drafter drafts its argmax), so
+sampled outputs are compared too. Speed ratios pair each mode with `none` within a repeat.
 With --peer-model, onnxruntime-genai (../shared/peers/) joins the rotation as modes `genai` (greedy) and
 `genai-ngram` (its n-gram speculation), on the same token ids, first turns only; the JSON then compares every mode
 with the peer's best mode per category (`versus_peer`) and counts the peer's n-gram answers that kept its own greedy
 text.
-Writes JSON (per prompt and per category) and a markdown table; asserts nothing about speed.
+Writes JSON (per category, per prompt, every run; each turn's own peak RSS where Linux can reset the peak) and a
+markdown table; asserts nothing about speed. A prompt whose turn does not fit the context is left out in every
+mode and listed under `skipped`.
 """
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import non_negative_int, positive_int, was_interrupted
-from .engine import EngineError
+from .cli import int_at_least, non_negative_int, positive_int, was_interrupted
+from .engine import ContextFull, EngineError
 from .files import unwritable, write_atomic
+from .memprobe import peak_rss_bytes, reset_peak_rss
 from .peer import PEER_MODES, PEER_REFERENCE, Peer, PeerError, model_dir_problem
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "public.jsonl"
@@ -45,15 +49,18 @@ def _parser() -> argparse.ArgumentParser:
                     help="comma-separated drafter modes (default none,lookup,recycling,hybrid); with --peer-model also "
                          "genai and genai-ngram (both by default)")
     ap.add_argument("--reps", type=positive_int, default=3, help="repetitions per prompt and mode (default 3)")
-    ap.add_argument("--max-tokens", type=positive_int, default=128, help="new tokens per answer (default 128)")
+    ap.add_argument("--max-tokens", type=int_at_least(2), default=128,
+                    help="new tokens per answer, at least 2: decode speed starts at the second (default 128)")
     ap.add_argument("--limit", type=non_negative_int, default=0, help="prompts per category (default 0: all)")
     ap.add_argument("--categories", help="comma-separated categories to run (default: all)")
     ap.add_argument("--second-turn", metavar="TEXT",
-                    help="after each first answer, send TEXT as a second turn (e.g. a rewrite request); measured "
-                         "under category '<cat>+turn2'")
+                    help="after each item's last answer, send TEXT as one more turn (e.g. a rewrite request); "
+                         "measured under category '<cat>+turnN', N = the item's turns + 1 (turn2 for single-turn items, "
+                         "beside multi-turn items' real second turns)")
     ap.add_argument("--draft-len", type=non_negative_int, help="draft length override (0-64)")
     ap.add_argument("--temp", type=float, default=0.0,
-                    help="sampling temperature (default 0: greedy, every mode's output compared with none's)")
+                    help="sampling temperature (default 0: greedy); greedy or seeded, every mode's output is compared "
+                         "with none's")
     ap.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
     ap.add_argument("--top-k", type=non_negative_int, default=0,
                     help="sample among the k most likely tokens (default 0: off)")
@@ -138,16 +145,19 @@ def _run_one(engine, it: dict, mode: str, a, rep: int = 0) -> list[dict]:
     turns = list(it["turns"]) + ([a.second_turn] if a.second_turn else [])
     recs = []
     for t, text in enumerate(turns):
+        own_peak = reset_peak_rss()
         r = chat.ask(text, max_tokens=a.max_tokens, drafter=mode, draft_len=a.draft_len, temperature=a.temp,
                      top_p=a.top_p, top_k=a.top_k, seed=a.seed + rep + 1000 * t)
         st = r.stats
         recs.append({"id": it["id"], "category": it.get("category", "?") + (f"+turn{t + 1}" if t else ""),
                      "mode": mode, "turn": t, "tokens": r.token_ids, "n_gen": st.generated,
                      "prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens,
-                     "prefill_ms": 1000 * st.prefill_s, "decode_s": st.decode_s, "decode_tok_s": st.decode_tok_s,
+                     "prefill_ms": 1000 * st.prefill_s, "decode_s": st.decode_s,
+                     "decode_tok_s": st.decode_tok_s if st.generated > 1 else None,  # one token: nothing decoded
                      "steps": st.steps, "drafted": st.drafted, "accepted": st.accepted,
                      "mean_accepted": st.mean_accepted, "target_s": st.target_s, "draft_s": st.draft_s,
-                     "overhead_ms_per_step": st.overhead_ms_per_step, "python_ms_per_step": st.python_ms_per_step})
+                     "overhead_ms_per_step": st.overhead_ms_per_step, "python_ms_per_step": st.python_ms_per_step,
+                     "peak_rss_mb": peak_rss_bytes() / 2**20 if own_peak else None})  # this turn's own peak
     return recs
 
 
@@ -159,9 +169,10 @@ def _run_peer(peer: Peer, engine, it: dict, mode: str, a) -> list[dict]:
     n, dec = r.get("n_gen", len(r["tokens"])), r["decode_s"]  # n_gen: its end token counted, as ours is
     return [{"id": it["id"], "category": it.get("category", "?"), "mode": mode, "turn": 0, "tokens": r["tokens"],
              "n_gen": n, "prompt_tokens": len(ids), "reused_tokens": 0, "prefill_ms": 1000 * r["prefill_s"],
-             "decode_s": dec, "decode_tok_s": (n - 1) / dec if dec > 0 and n > 1 else 0.0,  # as edge's Stats
+             "decode_s": dec, "decode_tok_s": (n - 1) / dec if dec > 0 and n > 1 else None,  # as _run_one's
              "steps": None, "drafted": None, "accepted": None, "mean_accepted": None, "target_s": None,
-             "draft_s": None, "overhead_ms_per_step": None, "python_ms_per_step": None}]
+             "draft_s": None, "overhead_ms_per_step": None, "python_ms_per_step": None,
+             "peak_rss_mb": None}]  # the peer's process, not ours
 
 
 def _add_learned(total: dict, before: dict, after: dict) -> None:
@@ -192,7 +203,8 @@ def _med(values, digits: int):
 
 
 def _per_prompt(runs: list[dict]) -> dict[tuple, dict]:
-    """(prompt id, turn, category, mode) -> medians over its repeats, and the first repeat's tokens."""
+    """(prompt id, turn, category, mode) -> medians over its repeats, and each repeat's tokens and decode tok/s
+    (`by_rep`: repeat -> (tokens, tok/s), so modes pair up within a repeat)."""
     cell: dict[tuple, list] = {}
     for r in runs:
         cell.setdefault((r["id"], r["turn"], r["category"], r["mode"]), []).append(r)
@@ -206,7 +218,9 @@ def _per_prompt(runs: list[dict]) -> dict[tuple, dict]:
                 "python_ms_per_step": _med((r.get("python_ms_per_step") for r in rs), 9),
                 "target_ms_per_step": _med(per_step(rs, "target_s"), 9),
                 "draft_ms_per_step": _med(per_step(rs, "draft_s"), 9),
-                "tokens": rs[0]["tokens"]} for k, rs in cell.items()}
+                "peak_rss_mb": _med((r.get("peak_rss_mb") for r in rs), 1),
+                "tokens": rs[0]["tokens"],
+                "by_rep": {r.get("rep", 0): (r["tokens"], r["decode_tok_s"]) for r in rs}} for k, rs in cell.items()}
 
 
 def _pairs(per: dict, c: str, keys: list, m: str, ref: str | None) -> list[tuple[dict, dict]]:
@@ -215,13 +229,28 @@ def _pairs(per: dict, c: str, keys: list, m: str, ref: str | None) -> list[tuple
 
 
 def _ratios(per: dict, c: str, keys: list, m: str, ref: str) -> list[float]:
-    """Per prompt of category c: mode m's decode tok/s over mode ref's, where both ran."""
-    return [x["decode_tok_s"] / r["decode_tok_s"] for x, r in _pairs(per, c, keys, m, ref) if r["decode_tok_s"] > 0]
+    """Per prompt of category c where both modes ran: the median over repeats of mode m's decode tok/s over mode
+    ref's in the same repeat (the two ran minutes apart at most, so the machine's drift cancels)."""
+    return [q for q in (_paired_ratio(x, r) for x, r in _pairs(per, c, keys, m, ref)) if q is not None]
 
 
-def summarize(runs: list[dict], modes: list[str], greedy: bool = True) -> dict:
-    """Per category and mode: medians over prompts of each prompt's median over repeats. `identical_to_none`
-    counts the prompts whose greedy output equals none's (None when sampling); a peer's speculative mode is
+def _paired_ratio(x: dict, r: dict) -> float | None:
+    """One prompt: the median over repeats of x's decode tok/s over r's in the same repeat."""
+    v = [x["by_rep"][k][1] / r["by_rep"][k][1] for k in x["by_rep"].keys() & r["by_rep"].keys()
+         if x["by_rep"][k][1] is not None and r["by_rep"][k][1]]
+    return statistics.median(v) if v else None
+
+
+def _same_output(x: dict, r: dict) -> bool:
+    """Every repeat of one mode produced the same tokens as the same repeat of the other (greedy: the same answer
+    every time; sampled: the same seed)."""
+    return all(x["by_rep"][k][0] == r["by_rep"][k][0] for k in x["by_rep"].keys() & r["by_rep"].keys())
+
+
+def summarize(runs: list[dict], modes: list[str]) -> dict:
+    """Per category and mode: medians over prompts of each prompt's median over repeats (`ratio_vs_none`: of its
+    ratio to `none` within each repeat). `identical_to_none` counts the prompts whose every repeat's output equals
+    none's in that repeat; a peer's speculative mode is
     compared with the peer's own greedy output instead (`identical_to_own_greedy`). `looping` counts the prompts
     whose (first repeat's) answer repeats an 8-token sequence 3 times or more."""
     per = _per_prompt(runs)
@@ -242,16 +271,32 @@ def summarize(runs: list[dict], modes: list[str], greedy: bool = True) -> dict:
                 "draft_ms_per_step": _med((v["draft_ms_per_step"] for v in vals), 2),
                 "overhead_ms_per_step": _med((v["overhead_ms_per_step"] for v in vals), 3),
                 "python_ms_per_step": _med((v["python_ms_per_step"] for v in vals), 3),
+                "peak_rss_mb": _med((v["peak_rss_mb"] for v in vals), 1),
                 "looping": f"{sum(loops(v['tokens']) for v in vals)}/{len(vals)}",
             }
             if m in PEER_MODES:  # its greedy text differs from ours by its quantization, not by speculation
                 ref, key = PEER_REFERENCE.get(m), "identical_to_own_greedy"
             else:
                 ref, key = "none", "identical_to_none"
-            same = [x["tokens"] == r["tokens"] for x, r in _pairs(per, c, keys, m, ref)]
-            row[m][key] = f"{sum(same)}/{len(same)}" if same and greedy else None
+            same = [_same_output(x, r) for x, r in _pairs(per, c, keys, m, ref)]
+            row[m][key] = f"{sum(same)}/{len(same)}" if same else None
         out[c] = row
     return out
+
+
+def per_prompt(runs: list[dict]) -> list[dict]:
+    """One row per prompt, turn and mode: its medians over repeats, its ratio to `none` (paired by repeat) and
+    whether its output equals the reference's (`none`'s, or for a peer's n-gram mode the peer's greedy)."""
+    per = _per_prompt(runs)
+    rows = []
+    for (p, t, c, m), v in per.items():
+        ref = per.get((p, t, c, PEER_REFERENCE.get(m) if m in PEER_MODES else "none"))
+        base = per.get((p, t, c, "none"))
+        rows.append({"id": p, "turn": t, "category": c, "mode": m, "decode_tok_s": _med([v["decode_tok_s"]], 2),
+                     "ratio_vs_none": None if base is None or (q := _paired_ratio(v, base)) is None else round(q, 3),
+                     "mean_accepted": _med([v["mean_accepted"]], 3), "peak_rss_mb": v["peak_rss_mb"],
+                     "identical": None if ref is None or ref is v else _same_output(v, ref)})
+    return rows
 
 
 def versus_peer(runs: list[dict], modes: list[str]) -> dict:
@@ -402,9 +447,18 @@ def _main(a) -> int:
 def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, out: Path, md_out: Path) -> int:
     from .cli import peak_rss_mb
 
-    runs = []
+    runs, skipped = [], []
     fresh = engine.drafter_state()
-    _run_one(engine, items[0], "none", a)  # warm-up (Ctrl-C here reaches main: nothing ran yet)
+    for it in items:  # warm-up on the first item that fits the context (Ctrl-C here reaches main: nothing ran yet)
+        try:
+            _run_one(engine, it, "none", a)
+            break
+        except ContextFull:
+            continue
+    else:
+        print(f"edge-bench: error: no prompt of {a.prompts} fits the model's context ({engine.context} tokens) "
+              f"with --max-tokens {a.max_tokens}", file=sys.stderr)
+        return 2
     engine.set_drafter_state(fresh)
     total, done = a.reps * len(items) * len(modes), 0
     bar = None
@@ -416,51 +470,65 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
         except ImportError:
             pass
     learned: dict[str, tuple[float, float]] = {}  # label -> (accepted, tested) over every speculative run
+    start_peak = peak_rss_mb()  # loading and the warm-up; each run then measures its own peak
     t0 = time.time()
-    failed = interrupted = False
+    failed: str | None = None  # why the run stopped early, when it did
+    interrupted = False
     try:
         for i, it in enumerate(items):
             # every run of this prompt drafts from what the earlier prompts taught (a long-running assistant's
             # state), never from this prompt's own earlier answers: Token Recycling would recall them
             before, after = fresh if a.cold else engine.drafter_state(), None
-            for rep in range(a.reps):
-                k = (i + rep) % len(modes)
-                for m in modes[k:] + modes[:k]:  # rotate: no mode always runs first
-                    engine.set_drafter_state(before)
-                    tested = engine.token_acceptance.tested()
-                    recs = _run_peer(peer, engine, it, m, a) if m in PEER_MODES else _run_one(engine, it, m, a, rep)
-                    for rec in recs:
-                        rec["rep"] = rep
-                        runs.append(rec)
-                    if m not in PEER_MODES and m != "none":  # what this prompt taught the drafters (plain
-                        after = after or engine.drafter_state()  # decoding and the peer teach them nothing)
-                    _add_learned(learned, tested, engine.token_acceptance.tested())
-                    done += 1
-                    if bar:
-                        bar.update(1)
+            first_run, done_before, learned_before = len(runs), done, dict(learned)
+            try:
+                for rep in range(a.reps):
+                    k = (i + rep) % len(modes)
+                    for m in modes[k:] + modes[:k]:  # rotate: no mode always runs first
+                        engine.set_drafter_state(before)
+                        tested = engine.token_acceptance.tested()
+                        recs = (_run_peer(peer, engine, it, m, a) if m in PEER_MODES
+                                else _run_one(engine, it, m, a, rep))
+                        for rec in recs:
+                            rec["rep"] = rep
+                            runs.append(rec)
+                        if m not in PEER_MODES and m != "none":  # what this prompt taught the drafters (plain
+                            after = after or engine.drafter_state()  # decoding and the peer teach them nothing)
+                        _add_learned(learned, tested, engine.token_acceptance.tested())
+                        done += 1
+                        if bar:
+                            bar.update(1)
+            except ContextFull as e:  # a turn of this item does not fit the context: the item is left out in
+                del runs[first_run:]  # every mode, so all modes are compared over the same prompts
+                learned, done, total = learned_before, done_before, total - a.reps * len(modes)
+                engine.set_drafter_state(before)
+                skipped.append({"id": it["id"], "error": str(e)})
+                print(f"edge-bench: skipped prompt {it['id']!r}: {e}", file=sys.stderr)
+                continue
             engine.set_drafter_state(after or before)
     except KeyboardInterrupt:  # what ran is kept; the exit code and an "interrupted" field say it is incomplete
         print("edge-bench: interrupted; summarizing what ran", file=sys.stderr)
         interrupted = True
     except PeerError as e:  # what ran is kept, and the exit code says the run is incomplete
         print(f"edge-bench: error: the peer failed ({e}); summarizing what ran", file=sys.stderr)
-        failed = True
-    except EngineError as e:  # a prompt the engine refuses (longer than --context, say): the same
+        failed = f"the peer failed: {e}"
+    except EngineError as e:  # anything else the engine refuses: the same
         print(f"edge-bench: error: {e}; summarizing what ran", file=sys.stderr)
-        failed = True
+        failed = str(e)
     if bar:
         bar.close()
     if not runs:  # an empty table must not replace the results of an earlier run
         print(f"edge-bench: no run finished; {out} and {md_out} left as they were", file=sys.stderr)
         return 130 if interrupted else 1
-    summary = summarize(runs, modes, greedy=a.temp == 0)
+    summary = summarize(runs, modes)
     vs_peer = versus_peer(runs, modes) if peer else None
     m = engine.manifest
     sampled = engine.head_hits + engine.head_misses
     doc = {"summary": summary, "modes": modes, "reps": a.reps, "max_tokens": a.max_tokens,
            "model": m.name, "precision": m.target.precision, "threads": a.threads,
-           "peak_rss_mb": round(peak_rss_mb(), 1), "wall_s": round(time.time() - t0, 1),
-           "min_call": engine.target.min_call, "cold": a.cold, "interrupted": interrupted,
+           "peak_rss_mb": round(max([start_peak, peak_rss_mb()] + [r["peak_rss_mb"] or 0 for r in runs]), 1),
+           "wall_s": round(time.time() - t0, 1),
+           "min_call": engine.target.min_call, "cold": a.cold, "interrupted": interrupted, "failed": failed,
+           "skipped": skipped,
            "runs_done": done, "runs_planned": total,
            "sampling": None if a.temp == 0 else {
                "temperature": a.temp, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed,
@@ -471,12 +539,16 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
            "versus_peer": vs_peer,
            "token_acceptance": {x: {"lifetime": round(h / n, 4), "n": int(n)} for x, (h, n) in
                                 sorted(learned.items())},
-           "runs": runs}
+           "per_prompt": per_prompt(runs), "runs": runs}
     md = markdown(summary, modes, vs_peer)
     if a.temp > 0:
         md += f"\n\nSampled at temperature {a.temp}, top-p {a.top_p}, top-k {a.top_k or 'off'}, seed {a.seed} + repeat."
-    if interrupted:
-        md += f"\n\nInterrupted: {done} of {total} runs (prompt × mode × repeat) finished; the table shows those."
+    if interrupted or failed:
+        why = "Interrupted" if interrupted else f"Stopped by an error ({failed})"
+        md += f"\n\n{why}: {done} of {total} runs (prompt × mode × repeat) finished; the table shows those."
+    if skipped:
+        md += (f"\n\nSkipped (a turn does not fit the context, in every mode): "
+               + ", ".join(str(s["id"]) for s in skipped) + ".")
     try:
         write_atomic(out, json.dumps(doc))
         write_atomic(md_out, md + "\n")

@@ -33,6 +33,17 @@ def peak_rss_bytes(children: bool = False) -> int:
     return max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kib) if children else own
 
 
+def reset_peak_rss() -> bool:
+    """Start a new peak: on Linux, VmHWM drops to the current RSS ("5" to /proc/self/clear_refs), so the next
+    `peak_rss_bytes` is the peak since now. False where that is not possible (then a peak is the process's)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def rss_bytes() -> int:
     import psutil
 

@@ -165,3 +165,59 @@ def test_bad_flags_are_refused_before_running(tmp_path, capsys, monkeypatch, fla
                     capsys)
     assert rc == 2 and needle.format(tmp=tmp_path, p=prompts) in err, err
     assert not (tmp_path / "b.json").exists()
+
+
+def test_a_prompt_longer_than_the_context_is_skipped_in_every_mode(model, tmp_path, capsys):
+    """First in the file it was a traceback in the warm-up; later it abandoned the rest of the run silently
+    (`interrupted: false`, no note). Now it is left out of every mode and named; the other prompts run."""
+    long = {"id": "L", "category": "rag", "turns": ["the quick brown fox " * 200]}
+    out = tmp_path / "b.json"
+    rc, err = _main([str(_prompts(tmp_path, [long] + TWO)), "--model", model, "--reps", "1", "--max-tokens", "4",
+                     "--modes", "none,lookup", "--out", str(out), "--quiet"], capsys)
+    assert rc == 0 and "skipped prompt 'L'" in err and "Traceback" not in err, err
+    doc = json.loads(out.read_text())
+    assert [s["id"] for s in doc["skipped"]] == ["L"] and set(doc["summary"]) == {"qa", "code"}
+    assert doc["runs_done"] == doc["runs_planned"] == 4 and not doc["interrupted"] and doc["failed"] is None
+    assert {r["id"] for r in doc["runs"]} == {"x0", "x1"} and "Skipped" in out.with_suffix(".md").read_text()
+    rc, err = _main([str(_prompts(tmp_path, [long], "l.jsonl")), "--model", model, "--out", str(out), "--quiet"],
+                    capsys)
+    assert rc == 2 and "no prompt of" in err and "Traceback" not in err, err
+
+
+def _rec(pid, mode, rep, tok_s, tokens):
+    return {"id": pid, "turn": 0, "category": "qa", "mode": mode, "rep": rep, "decode_tok_s": tok_s,
+            "mean_accepted": None, "overhead_ms_per_step": None, "target_s": None, "draft_s": None, "steps": None,
+            "tokens": tokens}
+
+
+def test_ratios_pair_modes_within_a_repeat_and_every_repeat_is_compared():
+    """ratio_vs_none was the ratio of the two modes' medians over repeats (drift between repeats leaked in), and
+    identical_to_none looked at the first repeat only."""
+    runs = [_rec("a", "none", 0, 100, [1, 2]), _rec("a", "hybrid", 0, 150, [1, 2]),
+            _rec("a", "none", 1, 50, [1, 2]), _rec("a", "hybrid", 1, 100, [1, 3])]
+    row = bench.summarize(runs, ["none", "hybrid"])["qa"]["hybrid"]
+    assert row["ratio_vs_none"] == 1.75  # median(150/100, 100/50); the ratio of medians is 125/75
+    assert row["identical_to_none"] == "0/1"  # repeat 1 differs
+    rows = {r["mode"]: r for r in bench.per_prompt(runs)}
+    assert rows["hybrid"]["ratio_vs_none"] == 1.75 and rows["hybrid"]["identical"] is False
+    assert rows["none"]["identical"] is None
+
+
+def test_each_run_records_its_own_peak_rss_and_one_token_answers_have_no_speed(model, tmp_path, capsys):
+    import sys
+
+    out = tmp_path / "b.json"
+    rc, err = _main([str(_prompts(tmp_path, TWO)), "--model", model, "--reps", "1", "--max-tokens", "4",
+                     "--modes", "none,lookup", "--out", str(out), "--quiet"], capsys)
+    assert rc == 0, err
+    doc = json.loads(out.read_text())
+    if sys.platform == "linux":
+        peaks = [r["peak_rss_mb"] for r in doc["runs"]]
+        assert all(10 < p <= doc["peak_rss_mb"] for p in peaks), (peaks, doc["peak_rss_mb"])
+        assert doc["summary"]["qa"]["lookup"]["peak_rss_mb"] > 10
+    assert {(r["id"], r["mode"]) for r in doc["per_prompt"]} == {(i, m) for i in ("x0", "x1") for m in ("none", "lookup")}
+    with pytest.raises(SystemExit) as e:  # an answer of one token has no decode speed to measure
+        bench.main([str(_prompts(tmp_path, TWO)), "--model", model, "--max-tokens", "1", "--out", str(out)])
+    assert e.value.code == 2 and "argument --max-tokens: 1 must be at least 2" in capsys.readouterr().err
+    runs = [_rec("a", "none", 0, None, [1]), _rec("a", "hybrid", 0, 80.0, [1, 2]), _rec("b", "none", 0, 50.0, [1, 2])]
+    assert bench.summarize(runs, ["none", "hybrid"])["qa"]["none"]["decode_tok_s"] == 50.0  # not median(0, 50)
