@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from kernels.sampling import probs_from_top, process_logits, sample_from
+from kernels.sampling import check_chosen, probs_from_top, process_logits, sample_from
 from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
@@ -641,7 +641,15 @@ class Engine:
         top = self.target.top_ids
         if top is not None and learn:
             self.recycling.observe(tokens, top, None if layout is None else layout.parents, before)
-        argmax = (top[:, 0] if logits is None else logits.argmax(-1)) if greedy else None
+        argmax = None
+        if greedy:
+            if logits is None:
+                argmax = top[:, 0]
+                if self.target.top_logits is not None:
+                    check_chosen(self.target.top_logits[:, 0])
+            else:
+                argmax = logits.argmax(-1)
+                check_chosen(logits[np.arange(len(argmax)), argmax])
         if layout is None:
             if greedy:
                 n, nxt = verify_greedy(tokens[1:], argmax)
@@ -689,8 +697,11 @@ class Engine:
         ort1 = self._ort_run_s()
         try:
             logits = self._prefill(ids, st)
-            first = int(np.argmax(logits)) if p.temperature == 0 else \
-                sample_from(process_logits(logits, p.temperature, p.top_k, p.top_p), rng)
+            if p.temperature == 0:
+                first = int(np.argmax(logits))
+                check_chosen(logits[first : first + 1])
+            else:
+                first = sample_from(process_logits(logits, p.temperature, p.top_k, p.top_p), rng)
             st.prefill_s = time.perf_counter() - t0
             t1, ort1 = time.perf_counter(), self._ort_run_s()
             drafter.begin(ids + [first])  # a model drafter prefills its own cache here: drafter time

@@ -76,11 +76,13 @@ class GraphSession:
             self.topk = int(outs["top_ids"].shape[-1]) if "top_ids" in outs else 0  # on-graph TopK, if exported
         self._top = np.zeros(max(1, self.topk), np.int64)  # flat: [1, R, k] views of any R, k stay contiguous
         self._top_probs = np.zeros(max(1, self.topk), np.float32)
+        self._top_logits = np.zeros(max(1, self.topk), np.float32) if "top_logits" in outs else None
         self._head_k = np.array([self.topk], np.int64)
         self._temperature = np.ones(1, np.float32)
         self._sampling = np.zeros((), bool)
         self.top_ids = None  # [R, k] of the last call, when the graph has the TopK output
         self.top_probs = None  # [R, k] of the last sampling call through the head: softmax(logits / T) at top_ids
+        self.top_logits = None  # [R, k] logits at top_ids, where the graph returns them (greedy checks they are finite)
         self.min_call = 1
         self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.cache.layer(i, j))
                            for i in range(graph.layers) for j in range(2)]  # kept alive: bindings hold pointers
@@ -217,6 +219,12 @@ class GraphSession:
             top = self._view("top_ids", self._top, r, k)
             self._bind(b, "top_ids", top, output=True)
             self.top_ids = top[0]
+            if self._top_logits is not None:
+                if r * k > self._top_logits.size:
+                    self._top_logits = np.zeros(r * k, np.float32)
+                vals = self._view("top_logits", self._top_logits, r, k)
+                self._bind(b, "top_logits", vals, output=True)
+                self.top_logits = vals[0]
             if self.head:
                 self._head_k[0] = k
                 self._sampling[()] = sample is not None
@@ -273,6 +281,8 @@ class GraphSession:
         out = self.forward(np.append(ids.reshape(-1), ids[0, 0]), pos, b2, keep=0, logits=logits, sample=sample)
         if self.top_ids is not None:
             self.top_ids = self.top_ids[:1]
+        if self.top_logits is not None:
+            self.top_logits = self.top_logits[:1]
         if self.top_probs is not None:
             self.top_probs = self.top_probs[:1]
         return None if out is None else out[:1]
@@ -362,6 +372,7 @@ class OptimumSession:
             raise ValueError(f"context {capacity} exceeds what {path} was exported for ({max_len})")
         self.layers, self.vocab = layers, vocab
         self.top_ids = None  # [R, topk] of the last call, best first
+        self.top_logits = None  # greedy checks the logits it returns instead
         self.inputs = {i.name for i in self.sess.get_inputs()}
         missing = {"input_ids", "past_key_values.0.key"} - self.inputs
         if missing:

@@ -221,14 +221,16 @@ def _exact_first_tokens(engine, prompt, n: int, **sampling) -> dict[tuple[int, .
     return dist
 
 
-def _speculative_first_tokens(engine, prompt, n_samples: int, drafter: str, **sampling):
+def _speculative_first_tokens(engine, prompt, n_samples: int, drafter: str, seeded: bool = True, **sampling):
     """Counts of the first three tokens of `n_samples` speculative answers of four tokens (one token from the
-    prefill, then a step that drafts two), and the drafted/accepted totals."""
+    prefill, then a step that drafts two), and the drafted/accepted totals. Unseeded, a model drafter samples its
+    drafts from q (seeded, it drafts its argmax)."""
     from collections import Counter
 
     counts, drafted, accepted = Counter(), 0, 0
     for i in range(n_samples):
-        r = engine.generate(prompt, max_tokens=4, seed=5000 + i, drafter=drafter, draft_len=2, **sampling)
+        r = engine.generate(prompt, max_tokens=4, seed=5000 + i if seeded else None, drafter=drafter, draft_len=2,
+                            **sampling)
         counts[tuple(r.token_ids[:3])] += 1
         drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
     return counts, drafted, accepted
@@ -241,17 +243,22 @@ def _check_against(dist, counts):
     return compare_to_distribution(np.array([counts[k] for k in keys]), np.array([dist.get(k, 0.0) for k in keys]))
 
 
-@pytest.mark.parametrize("drafter", ["model", "recycling"])
-def test_speculative_sampling_draws_the_targets_distribution(engine, drafter):
-    """End to end through the engine: speculative sampling with the trimmed-vocabulary model drafter (q > 0) and
-    with Token Recycling (deterministic drafts) gives the first three tokens the target's exact joint distribution
-    (top-k 4 at temperature 1.5: 64 outcomes, 2000 samples, chi-square and TV at alpha 1e-6). The drafted tokens
-    must be both accepted and rejected, or the test would not exercise the rule."""
-    sampling = dict(temperature=1.5, top_k=4)
+@pytest.mark.parametrize("drafter,sampling", [
+    ("model", dict(temperature=1.5, top_k=4)), ("model", dict(temperature=1.0, top_k=6, top_p=0.7)),
+    ("recycling", dict(temperature=1.5, top_k=4))])
+def test_speculative_sampling_draws_the_targets_distribution(engine, drafter, sampling):
+    """End to end through the engine: speculative sampling with the trimmed-vocabulary model drafter (unseeded:
+    drafts sampled from its q, with q = 0 outside its vocabulary) and with Token Recycling (deterministic drafts)
+    gives the first three tokens the target's exact joint distribution (top-k 4 at temperature 1.5: 64 outcomes;
+    with top-p too, so q must be cut as p is; 2000 samples, chi-square and TV at alpha 1e-6). The drafted tokens
+    must be both accepted and rejected, or the test would not exercise the rule. (Every answer here was seeded,
+    which since the seeded model drafter drafts its argmax left the q path untested: a q that ignored top-p, or
+    was not the distribution drafted from, passed.)"""
     dist = _exact_first_tokens(engine, PROMPTS[2], 3, **sampling)  # from the full logits (process_logits)
     engine.generate(PROMPTS[2], max_tokens=40, drafter="recycling")  # warms Token Recycling's matrix
     hits = engine.head_hits
-    counts, drafted, accepted = _speculative_first_tokens(engine, PROMPTS[2], 2000, drafter, **sampling)
+    counts, drafted, accepted = _speculative_first_tokens(engine, PROMPTS[2], 2000, drafter,
+                                                          seeded=drafter != "model", **sampling)
     assert engine.head_hits > hits  # verification read p from the on-graph head's top 4
     assert 0 < accepted < drafted, (drafted, accepted)
     check = _check_against(dist, counts)
@@ -288,6 +295,47 @@ def test_corrupt_model_output_while_sampling_is_a_clear_error(engine, monkeypatc
         engine.generate(PROMPTS[1], max_tokens=6, temperature=0.8, top_k=5, seed=2, drafter="recycling")
     monkeypatch.undo()
     assert engine.generate(PROMPTS[1], max_tokens=4).finish_reason  # the engine still answers
+
+
+@pytest.fixture(scope="module")
+def nan_model(tiny_dir, tmp_path_factory):
+    """A copy of the tiny export whose target outputs NaN logits once token `token` is in the context (its
+    embedding row is NaN), as an fp16 overflow or corrupt weights would make it (None: from the first token on)."""
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    def make(token: int | None):
+        d = tmp_path_factory.mktemp("nan") / "m"
+        shutil.copytree(tiny_dir, d)
+        path = d / "target" / "model.onnx"
+        m = onnx.load(str(path))
+        for init in m.graph.initializer:
+            if init.name == ("final_norm" if token is None else "embed_tokens"):
+                a = numpy_helper.to_array(init).copy()
+                a[... if token is None else token] = np.nan
+                init.CopyFrom(numpy_helper.from_array(a, init.name))
+        (d / "target" / "model.onnx.data").unlink()
+        onnx.save(m, str(path), save_as_external_data=True, location="model.onnx.data")
+        return d
+    return make
+
+
+@pytest.mark.parametrize("drafter", ["none", "lookup", "recycling"])
+def test_nan_model_output_is_a_clear_error_when_greedy_too(nan_model, engine, drafter):
+    """Greedy decoding streamed token 0 to max_tokens with no error (argmax and ONNX Runtime's TopK pick index 0
+    of an all-NaN row); sampling already raised. Now both say the output is corrupt, from the prefill's logits
+    and from a verify call's (the on-graph TopK's logits, or the full logits)."""
+    ids = engine.encode(PROMPTS[1])
+    answer = engine.generate(PROMPTS[1], max_tokens=12, drafter="none").token_ids
+    later = next(t for t in answer[1:] if t not in ids and t != answer[0])  # fed to a call after the prefill
+    for token in (None, later):  # the prompt's own logits, then a later call's
+        e = edge.load(nan_model(token), context=256, verify="none")
+        with pytest.raises(ValueError, match="NaN.*the model output is corrupt"):
+            e.generate(PROMPTS[1], max_tokens=12, drafter=drafter)
+        with pytest.raises(ValueError, match="NaN|not finite"):
+            e.generate(PROMPTS[1], max_tokens=12, drafter=drafter, temperature=0.8, seed=1)
 
 
 @pytest.mark.parametrize("kw,from_head", [(dict(top_k=5), True), (dict(top_k=5, top_p=0.5), True),

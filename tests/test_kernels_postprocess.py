@@ -95,6 +95,19 @@ def test_probs_from_top_declines_what_the_head_cannot_hold():
     np.testing.assert_allclose(got, process_logits(small, 0.8), rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("top_k,top_p,want", [(0, 0.5, [1, 0, 0, 0]), (0, 0.75, [2 / 3, 1 / 3, 0, 0]),
+                                               (3, 0.5, [1, 0, 0, 0]), (0, 0.875, [4 / 7, 2 / 7, 1 / 7, 0])])
+def test_a_nucleus_that_closes_exactly_on_a_cumulative_mass_keeps_no_token_more(top_k, top_p, want):
+    """Probabilities that are binary fractions sum exactly: at top-p 0.5 over [.5, .25, .125, .125] the nucleus is
+    the first token alone, as process_logits cuts it (a `<=` in the cut kept [2/3, 1/3] and passed every test)."""
+    p = np.array([[0.5, 0.25, 0.125, 0.125]])
+    ids = np.arange(4)[None, :]
+    got, exact = probs_from_top(ids, p, 4, top_k, top_p)
+    assert exact.all()
+    np.testing.assert_allclose(got[0], want, rtol=1e-6)
+    np.testing.assert_allclose(process_logits(np.log(p), 1.0, top_k, top_p)[0], want, rtol=1e-6)
+
+
 def test_probs_from_top_catches_a_wrong_cut():
     """Negative control: a nucleus cut one token late (keep while the mass *including* the token is below top-p,
     plus one) is what the equality test above must reject."""

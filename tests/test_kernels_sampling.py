@@ -117,6 +117,18 @@ def test_process_logits_float64_stays_float64_and_input_untouched():
     np.testing.assert_array_equal(logits, before)
 
 
+def test_a_nucleus_wider_than_the_first_candidate_tier_is_not_cut_there():
+    """The top 512 tokens hold most of the mass but less than top-p: the cut must go on to the wider tiers (a loop
+    that stopped at half the target cut a 0.9 nucleus of ~7,600 tokens to 512, and passed every test)."""
+    rng = np.random.default_rng(3)
+    logits = np.concatenate([rng.normal(2.2, 0.1, 512), rng.normal(-3.0, 1.0, 20_000)])
+    got = process_logits(logits, top_p=0.9)
+    head = np.sort(process_logits(logits, 1.0))[::-1][:512].sum()
+    assert 0.4 < head < 0.9, head  # the first tier holds much of the nucleus, not all of it
+    np.testing.assert_allclose(got, slow_process(logits, top_p=0.9), atol=1e-12)
+    assert np.count_nonzero(got) > 512
+
+
 def test_process_logits_wide_nucleus_takes_full_sort_path():
     # 10k nearly flat logits: the nucleus is wider than the first candidate tiers.
     rng = np.random.default_rng(1)
@@ -184,6 +196,22 @@ def test_bad_logits_raise(row, match):
 )
 def test_sample_from_inverse_cdf(probs, u, expected):
     assert sample_from(np.array(probs), FixedU(u)) == expected
+
+
+def test_sample_from_reaches_tiny_tokens_of_a_float32_vocabulary():
+    """A float32 cdf rounded 0.75 + 2e-8 back to 0.75: the middle token had no width and was never drawn."""
+    probs = np.array([0.75, 2e-8, 0.25], np.float32)
+    total = 0.75 + float(probs[1]) + 0.25
+    assert sample_from(probs, FixedU((0.75 + 1e-8) / total)) == 1
+
+
+def test_a_huge_temperature_keeps_minus_inf_logits_impossible():
+    """1/T rounded to 0 in float32 and -inf * 0 made the whole row NaN; the limit is uniform over the finite
+    logits, as the top-k path already gave."""
+    x = np.array([0.0, -np.inf, 3.0, -2.0], np.float32)
+    for t in (1e39, 1e300):
+        np.testing.assert_allclose(process_logits(x, t), [1 / 3, 0, 1 / 3, 1 / 3], rtol=1e-6)
+        np.testing.assert_allclose(process_logits(x, t, top_k=3), [1 / 3, 0, 1 / 3, 1 / 3], rtol=1e-6)
 
 
 def test_sample_from_rejects_empty_mass():
