@@ -19,6 +19,15 @@ def test_lookup_drafts(history, budget, expected):
     assert d.draft(budget).tokens.tolist() == expected
 
 
+def test_hybrid_accept_moves_the_recycling_root():
+    """Hybrid's recycling half drafted from a stale root when accept skipped it (lossless, only slower)."""
+    rec = RecyclingDrafter(100, k=2)
+    h = HybridDrafter(LookupDrafter(), rec)
+    h.begin([1, 2])
+    h.accept([5, 6])
+    assert (rec.prev, rec.root) == (5, 6)
+
+
 def test_lookup_follows_accepts_and_resets_on_divergence():
     d = LookupDrafter()
     d.begin([1, 2, 3, 1])

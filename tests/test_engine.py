@@ -686,3 +686,109 @@ def test_sessions_do_not_trace_memory_patterns():
     from edge.runner import session_options
 
     assert session_options(2).enable_mem_pattern is False
+
+
+# ------------------------------------------------------------------------------ bookkeeping a wrong loop still passes
+# Each of these caught a plausible bug that left every answer correct, so no other test noticed (session 22's
+# mutation audit: an extra call at max_tokens, counters, reuse, reset, the drafters' own state, the cache after a stop).
+
+@pytest.fixture
+def fresh(tiny_dir):
+    return edge.load(tiny_dir, drafter="none", context=256)
+
+
+def test_an_answer_ending_at_max_tokens_costs_no_extra_call(fresh):
+    chunks = list(fresh.stream("def add(a, b):", max_tokens=5, drafter="none"))
+    assert all(c.token_ids for c in chunks)  # no empty last chunk
+    assert fresh.last_stats.steps == 4 and sum(len(c.token_ids) for c in chunks) == 5  # the prefill gave the first
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "hybrid", "model"])
+def test_chunk_provenance_adds_up_to_the_accepted_drafts(fresh, drafter):
+    chunks = list(fresh.stream("abc abc abc abc abc", max_tokens=40, drafter=drafter, draft_len=4))
+    assert chunks[0].drafted == 0  # the prefill's token was never drafted
+    assert all(c.drafted <= max(0, len(c.token_ids) - 1) for c in chunks)  # a step's bonus token was not drafted
+    assert sum(c.drafted for c in chunks) == fresh.last_stats.accepted
+
+
+def test_drafted_counts_every_drafted_token_and_only_those(fresh, monkeypatch):
+    from edge.drafters import LookupDrafter
+
+    made, real = [], LookupDrafter.draft
+
+    def draft(self, budget):
+        d = real(self, budget)
+        made.append(len(d.tokens))
+        return d
+    monkeypatch.setattr(LookupDrafter, "draft", draft)
+    st = fresh.generate("abc abc abc abc abc", max_tokens=40, drafter="lookup", draft_len=4).stats
+    assert st.drafted == sum(made) > 0
+
+
+def test_reset_forgets_the_drafters_unless_asked(fresh):
+    fresh.generate("the quick brown fox", max_tokens=16, drafter="recycling")
+    adj = fresh.recycling.adj.copy()
+    fresh.reset(keep_drafter_state=True)
+    assert fresh.recycling.seen.any() and np.array_equal(fresh.recycling.adj, adj)
+    fresh.reset()
+    assert not fresh.recycling.seen.any() and fresh.lookup.history == []
+
+
+def test_reused_tokens_is_the_real_common_prefix(fresh):
+    fresh.generate("the quick brown fox", max_tokens=8)
+    before = list(fresh.cached)
+    ids = fresh.encode("def add(a, b):")
+    lcp = next((i for i, (a, b) in enumerate(zip(before, ids)) if a != b), min(len(before), len(ids)))
+    assert fresh.generate("def add(a, b):", max_tokens=4).stats.reused_tokens == min(lcp, len(ids) - 1)
+
+
+def test_a_chat_turn_prefills_only_its_new_tokens(tiny_dir):
+    """Re-prefilling the whole history every turn gave the same answers, only slower, with the stats still
+    claiming reuse: count the rows the target actually ran."""
+    e = edge.load(tiny_dir, drafter="lookup", context=256)
+    chat = e.chat()
+    chat.ask("the quick brown fox", max_tokens=12)
+    rows, real = [], e.target.forward
+    e.target.forward = lambda ids, *a, **k: (rows.append(len(ids)), real(ids, *a, **k))[1]
+    r = chat.ask("def add(a, b):", max_tokens=1)
+    del e.target.forward
+    assert r.stats.reused_tokens > 0 and rows[0] == r.stats.prompt_tokens - r.stats.reused_tokens
+
+
+def test_recycling_pairs_are_keyed_on_the_committed_token_before(fresh):
+    prompt = fresh.encode("def add(a, b):")
+    r = fresh.generate("def add(a, b):", max_tokens=30, drafter="recycling", draft_len=0)
+    t = prompt + r.token_ids
+    last = {(t[i - 1], t[i]): i for i in range(len(prompt), len(t) - 1)}  # a pair's latest verify call wins
+    idx = [i for (a, b), i in last.items() if a != b]
+    assert len(idx) >= 5
+    assert all(fresh.recycling.pair_successor(t[i - 1], t[i]) == t[i + 1] for i in idx)
+
+
+def test_the_model_drafters_context_tracks_the_target(tiny_dir, monkeypatch):
+    """Keeping a rejected draft in the drafter's own cache stays lossless but conditions every later draft on a
+    token the target never accepted."""
+    from edge.drafters import ModelDrafter
+
+    e = edge.load(tiny_dir, drafter="model", context=256)
+    real, checked = ModelDrafter.accept, []
+
+    def accept(self, tokens):
+        real(self, tokens)
+        assert self.cached + self.pending == e.cached + [int(tokens[-1])]
+        checked.append(len(tokens))
+    monkeypatch.setattr(ModelDrafter, "accept", accept)
+    for p in ("def add(a, b):", "Summarize: the council met"):
+        e.generate(p, max_tokens=30, draft_len=4)
+    assert any(n < 5 for n in checked) and e.last_stats.drafted > 0  # some drafts were rejected
+
+
+def test_the_cache_holds_exactly_the_emitted_tokens_after_a_stop(fresh):
+    prompt = "abc abc abc abc abc abc abc abc abc abc"
+    text = fresh.generate(prompt, max_tokens=40).text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    for kind in ("lookup", "hybrid"):
+        fresh.reset()
+        r = fresh.generate(prompt, max_tokens=40, drafter=kind, stop=[stop])
+        assert r.finish_reason == "stop"
+        assert fresh.cached == fresh.encode(prompt) + r.token_ids[:-1] and fresh.target.cache.length == len(fresh.cached)

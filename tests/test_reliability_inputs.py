@@ -193,6 +193,28 @@ def _tokenizer(tmp_path, vocab: dict, decoder: dict | None) -> TextCodec:
     return TextCodec(path, None, None, ())
 
 
+def test_streaming_a_metaspace_tokenizer_keeps_the_spaces(tmp_path):
+    """SentencePiece-style tokenizers (Llama 2, Mistral, Gemma: ▁ for a space) take the re-decoding path; the
+    suite only streamed byte-level ones, so a decoder that dropped every word's space passed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "\u2581hello": 1, "\u2581world": 2, "\u2581foo": 3, "!": 4}
+    tok = Tokenizer(models.Unigram([(k, -1.0) for k in vocab], unk_id=0))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.save(str(tmp_path / "tokenizer.json"))
+    codec = TextCodec(tmp_path / "tokenizer.json", None, None, ())
+    ids = codec.encode("hello world foo!")
+    assert not codec.byte_level and len(ids) == 4
+    for cuts in ([1, 2, 3], [2], []):
+        dec, out, prev = StreamDecoder(codec), [], 0
+        for c in cuts + [len(ids)]:
+            out.append(dec.push(ids[prev:c]))
+            prev = c
+        out.append(dec.flush())
+        assert "".join(out) == codec.decode(ids) == "hello world foo!", out
+
+
 BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
 # the decoder SmolLM2's GGUF tokenizer comes with: ByteFallback, Fuse and a ▁ -> space Replace before ByteLevel
 SEQUENCE = {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"},
