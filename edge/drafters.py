@@ -153,8 +153,10 @@ class ModelDrafter:
     name = "model"
 
     def __init__(self, session, id_map: np.ndarray, target_vocab: int, threshold: float = 0.0,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, rng=None, input_vocab: int | None = None):
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, rng=None, input_vocab: int | None = None,
+                 prefill_chunk: int = 512):
         self.sess = session
+        self.prefill_chunk = prefill_chunk  # rows per prefill call: the target's (what the memory plan counts)
         # a drafter from its own checkpoint may have fewer embedding rows than the target has logits (padding
         # rows): such an id, if the target ever commits one, is fed as id 0 (the target verifies every draft)
         self.input_vocab = input_vocab
@@ -180,7 +182,7 @@ class ModelDrafter:
         # bulk-feed all but the last few pending tokens now, so draft() calls stay short
         if len(self.pending) > 1:
             bulk = self.pending[:-1]
-            self.sess.prefill(self._inputs(bulk))
+            self.sess.prefill(self._inputs(bulk), chunk=self.prefill_chunk)
             self.cached += bulk
             self.pending = self.pending[-1:]
         self.drafted = []

@@ -24,8 +24,8 @@ from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
 from memory.acceptance import MEASURED_TOKEN_PRIORS, AcceptanceStats, TokenAcceptance
 from memory.footprint import PREFILL_CHUNK, drafter_graph
-from memory.planner import (DEFAULT_PRIORS, LatencyCurve, best_chain_length, best_prefix, export_verify_shape,
-                            fullest, plain_call_rows)
+from memory.planner import (DEFAULT_PRIORS, MAX_CHAIN, LatencyCurve, best_chain_length, best_prefix,
+                            export_verify_shape, fullest, plain_call_rows)
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .errors import EngineError  # re-exported: edge.EngineError, edge.engine.EngineError
@@ -355,7 +355,8 @@ class Engine:
         self.default_drafter = pl.drafter
         return pl
 
-    def _planned_drafter(self, asked: str | None, context: int, sampling: bool) -> tuple[str, int | None]:
+    def _planned_drafter(self, asked: str | None, context: int, sampling: bool,
+                         draft_len: int | None = None) -> tuple[str, int | None]:
         """(drafter, draft tokens per call the budget allows; None: no plan) of a request.
 
         Without a plan: the drafter asked for, else the engine's. With one, a request that leaves the choice to
@@ -363,8 +364,9 @@ class Engine:
         predicts plain decoding to be fastest, the engine's own drafter still runs with what fits, because its
         adaptive length drafts nothing unless its acceptance says so, and its probes keep that acceptance measured
         (a plan made from a poor turn would otherwise never draft again). A drafter asked by name runs with what
-        fits; a model drafter that does not fit at all is refused before its session opens. A model session the
-        request does not use is dropped (its memory is budgeted only while used)."""
+        fits (up to the request's `draft_len`); a model drafter that does not fit at all is refused before its
+        session opens. A model session the request does not use is dropped (its memory is budgeted only while
+        used)."""
         if self.plan is None:
             return self._resolve(asked or self.default_drafter), None
         following = asked in (None, "auto", self._configured)
@@ -379,7 +381,8 @@ class Engine:
 
             graph = self._model_graph().name if kind == "model" else None
             n = fitting_nodes(self.manifest, self.profile, context, self.plan.budget_mb, kind, draft_graph=graph,
-                              min_call=self.target.min_call, capacity=self.context, sampling=sampling)
+                              min_call=self.target.min_call, capacity=self.context, sampling=sampling,
+                              max_k=max(MAX_CHAIN, draft_len or 0))
             if kind == "model" and n == 0 and not following:
                 raise EngineError(f"drafter 'model' does not fit the {self.plan.budget_mb:g} MB memory budget at "
                                   f"context {context} (its session and KV cache); leave the drafter unset to follow "
@@ -515,7 +518,7 @@ class Engine:
         # (sampled drafts draw per draft token, and how many it drafts depends on the acceptance it has measured)
         d = ModelDrafter(self._drafter_sess, self._id_map, self.manifest.arch["vocab"], threshold=0.0,
                          temperature=p.temperature if p.seed is None else 0.0, top_k=p.top_k, top_p=p.top_p, rng=rng,
-                         input_vocab=self.manifest.arch_of(g)["vocab"])
+                         input_vocab=self.manifest.arch_of(g)["vocab"], prefill_chunk=self._prefill_chunk())
         d.cached = self._drafter_cached  # shared list: the drafter cache outlives one request
         return d
 
@@ -559,8 +562,7 @@ class Engine:
         self._rewind_to(n)
         st.reused_tokens = n
         logits = None
-        # rows per prefill call: a device profile's (what its memory plan counts), else the footprint model's default
-        chunk = getattr(self.profile, "prefill_chunk", None) or PREFILL_CHUNK
+        chunk = self._prefill_chunk()
         for i in range(n, len(ids), chunk):
             part = ids[i : i + chunk]
             logits = self.target.forward(part, keep=1)[-1]
@@ -574,6 +576,11 @@ class Engine:
         else:
             self.target.cache.keep(path)
         self.cached += tokens
+
+    def _prefill_chunk(self) -> int:
+        """Rows per prefill call, the target's and a model drafter's: a device profile's (what its memory plan
+        counts), else the footprint model's default."""
+        return getattr(self.profile, "prefill_chunk", None) or PREFILL_CHUNK
 
     def _rewind_to(self, length: int) -> None:
         """Roll the target cache back to `length` tokens (also repairs a cache an interrupt left ahead of
@@ -683,7 +690,7 @@ class Engine:
             end = min(fullest(self.context, plain_call_rows(self.profile, self.target.min_call)), end)
             self.plan = self._replan(end, sampling=p.temperature > 0)
         # also refuses a drafter this export cannot run, with the fix named
-        kind, cap = self._planned_drafter(p.drafter, end, p.temperature > 0)
+        kind, cap = self._planned_drafter(p.drafter, end, p.temperature > 0, p.draft_len)
         drafter, k = self._drafter(kind, p, rng)
         if cap is not None:
             k = min(k, cap)  # the memory budget caps draft tokens per call

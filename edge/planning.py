@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 from devices import check_available, detect_host, load_profile
 from memory.footprint import MB, Calibration
-from memory.planner import (CALIBRATION_SECTIONS, BudgetError, Latency, Plan, PlanError, candidates, fullest,
-                            min_budget_plain, min_budget_speculative, plain_call_rows, plan)
+from memory.planner import (CALIBRATION_SECTIONS, MAX_CHAIN, BudgetError, Latency, Plan, PlanError, candidates,
+                            fullest, min_budget_plain, min_budget_speculative, plain_call_rows, plan)
 
 from .manifest import Manifest
 
@@ -150,11 +150,12 @@ def _drafter_caps(manifest: Manifest, drafter: str, tree_exact: bool | None = No
 
 def fitting_nodes(manifest: Manifest, profile, context: int, budget_mb: float, drafter: str, *,
                   draft_graph: str | None = None, stats=None, min_call: int = 1, capacity: int | None = None,
-                  sampling: bool = False) -> int:
-    """The most draft tokens per call a chain of `drafter` may take at `context` within the budget, whatever its
-    predicted speed (0: not even one). For a request that names its drafter under a plan made for another."""
+                  sampling: bool = False, max_k: int = MAX_CHAIN) -> int:
+    """The most draft tokens per call (up to `max_k`) a chain of `drafter` may take at `context` within the
+    budget, whatever its predicted speed (0: not even one). For a request that names its drafter under a plan
+    made for another."""
     cs = candidates(profile, manifest, context, stats, drafters=("none", drafter), tree_drafters=(),
-                    min_call=min_call, capacity=capacity, sampling=sampling)[1:]
+                    min_call=min_call, capacity=capacity, sampling=sampling, max_k=max_k)[1:]
     fit = [c.speculation.nodes for c in cs if draft_graph in (None, c.speculation.draft_graph)
            and c.footprint.total_bytes <= budget_mb * MB]
     return max(fit, default=0)

@@ -424,6 +424,17 @@ def test_a_plan_decides_the_drafter_and_refuses_one_it_did_not_budget(tiny_dir, 
     assert drafted.drafted <= drafted.steps * e.plan.nodes  # the plan's cap holds for a fixed length too
 
 
+def test_a_drafter_asked_by_name_drafts_as_long_as_asked_when_it_fits(tiny_dir, tmp_path):
+    """Under a plan, a named drafter was capped at the planner's 16 tokens per call whatever the budget."""
+    e = edge.load(tiny_dir, context=256, calibration=calibration(tmp_path, 0.9), budget_mb=1e5, drafter="none")
+    prompt = "def add(a, b):"  # the tiny model's answer repeats one token: lookup drafts it as long as allowed
+    free = edge.load(tiny_dir, context=256)
+    free.generate(prompt, max_tokens=150, drafter="lookup", draft_len=40)
+    assert max(free._call_ms) > 17  # without a plan the call is this wide
+    e.generate(prompt, max_tokens=150, drafter="lookup", draft_len=40)
+    assert max(e._call_ms) == max(free._call_ms)
+
+
 def test_replanning_follows_acceptance_both_ways_and_reset_plans_afresh(tiny_dir, tmp_path):
     """Re-plans do not ratchet: a turn of poor acceptance shortens drafting (or changes the drafter), a good one
     brings it back. reset() empties the context and plans as at load. Sampling requests are planned with their work
@@ -555,6 +566,30 @@ def test_plan_report_is_the_plan_the_engine_runs_and_its_lower_bounds_fit(tiny_d
         assert plan_report(e.manifest, e.profile, ctx, rep["min_budget_plain_mb"])["fits"], (ctx, rep)
         at = plan_report(e.manifest, e.profile, ctx, rep["min_budget_speculative_mb"])
         assert at["fits"] and at["plan"]["drafter"] != "none", (ctx, rep, at)  # the bound buys a drafter
+
+
+def test_the_model_drafter_prefills_in_the_profiles_chunks_too(tiny_dir, tmp_path):
+    """A device profile's prefill_chunk (what its memory plan prices, and on a static-shape NPU the compiled
+    buckets) bounded the target's prefill calls but not the model drafter's, which always took 512 rows."""
+    from edge.runner import GraphSession
+
+    prof = json.loads((Path(edge.__file__).parents[1] / "devices/profiles/android-phone-8gb.json").read_text())
+    prof.update(name="chunked", prefill_chunk=16)
+    (tmp_path / "c.json").write_text(json.dumps(prof))
+    e = edge.load(tiny_dir, context=256, device=str(tmp_path / "c.json"), simulate=True, drafter="model")
+    e.generate("hi", max_tokens=2, drafter="model")  # opens the drafter's session (its load-time probes are not prefill)
+    widest, real = {}, GraphSession.forward
+
+    def forward(self, tokens, *a, **k):
+        who = "target" if self is e.target else "drafter"
+        widest[who] = max(widest.get(who, 0), len(tokens))
+        return real(self, tokens, *a, **k)
+    GraphSession.forward = forward
+    try:
+        r = e.generate("the quick brown fox jumps over the lazy dog " * 5, max_tokens=8, drafter="model")
+    finally:
+        GraphSession.forward = real
+    assert r.stats.prompt_tokens > 40 and widest == {"target": 16, "drafter": 16}, widest
 
 
 def test_predicted_kv_bytes_are_the_allocated_buffers(tiny_dir):
