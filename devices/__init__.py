@@ -90,6 +90,12 @@ def _validate(p: DeviceProfile) -> None:
 
     if not p.name or not isinstance(p.name, str):
         bad("name", "must be a non-empty string")
+    for f in ("description", "device_class", "execution_provider", "activation_dtype", "source", "notes"):
+        if not isinstance(getattr(p, f), str):
+            bad(f, f"must be a string (got {getattr(p, f)!r})")
+    for f in ("provider_options", "calibration"):
+        if not isinstance(getattr(p, f), Mapping):
+            bad(f, f"must be a JSON object (got {getattr(p, f)!r})")
     if p.device_class not in DEVICE_CLASSES:
         bad("device_class", f"{p.device_class!r} is not one of {', '.join(DEVICE_CLASSES)}")
     if not p.execution_provider.endswith("ExecutionProvider"):
@@ -142,6 +148,8 @@ def profile_from_dict(d: Mapping[str, Any], where: str = "<dict>") -> DeviceProf
     d = dict(d)
     for k in ("weight_precisions", "shape_buckets", "providers_installed"):
         if k in d:
+            if not isinstance(d[k], (list, tuple)):
+                raise ProfileError(f"{where}: {k} must be a list (got {d[k]!r})")
             d[k] = tuple(d[k])
     try:
         return DeviceProfile(**d)

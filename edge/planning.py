@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Mapping
 
 from devices import check_available, detect_host, load_profile
 from memory.footprint import MB, Calibration
@@ -32,10 +33,8 @@ def default_calibration_path(model_dir) -> Path:
 
 
 def load_calibration(path) -> dict:
-    """A calibration JSON written by edge-profile, checked: known sections, valid memory constants, acceptance
-    tables that load. The planner reads it from the profile's `calibration` field."""
-    from memory.acceptance import AcceptanceStats
-
+    """A calibration JSON written by edge-profile, checked (`check_calibration`). The planner reads it from the
+    profile's `calibration` field."""
     p = Path(path)
     try:
         d = json.loads(p.read_text())
@@ -44,11 +43,21 @@ def load_calibration(path) -> dict:
             from None
     except ValueError as e:
         raise CalibrationError(f"calibration {p}: not valid JSON ({e})") from None
-    if not isinstance(d, dict):
-        raise CalibrationError(f"calibration {p}: expected a JSON object")
+    check_calibration(d, f"calibration {p}")
+    d["path"] = str(p)
+    return d
+
+
+def check_calibration(d, where: str) -> None:
+    """A calibration (a file's, or the one a device profile carries) checked: known sections, valid memory
+    constants, acceptance tables that load; CalibrationError naming `where` otherwise."""
+    from memory.acceptance import AcceptanceStats
+
+    if not isinstance(d, Mapping):
+        raise CalibrationError(f"{where}: expected a JSON object")
     bad = sorted(set(d) - set(CALIBRATION_SECTIONS))
     if bad:
-        raise CalibrationError(f"calibration {p}: unknown section(s) {bad}; known: {', '.join(CALIBRATION_SECTIONS)}")
+        raise CalibrationError(f"{where}: unknown section(s) {bad}; known: {', '.join(CALIBRATION_SECTIONS)}")
     try:
         for section in ("memory", "latency", "acceptance", "model"):
             if not isinstance(d.get(section) or {}, dict):
@@ -61,9 +70,7 @@ def load_calibration(path) -> dict:
             except ValueError as e:
                 raise ValueError(f"acceptance[{k!r}]: {e}") from None
     except (ValueError, KeyError, TypeError, OverflowError) as e:
-        raise CalibrationError(f"calibration {p}: {e}") from None
-    d["path"] = str(p)
-    return d
+        raise CalibrationError(f"{where}: {e}") from None
 
 
 def model_identity(manifest: Manifest) -> dict:
@@ -81,6 +88,8 @@ def profile_for(device: str | None, simulate: bool = False, calibration=None, mo
     from .manifest import load_manifest
 
     p = detect_host() if device in (None, "host") else load_profile(device)
+    if p.calibration:
+        check_calibration(p.calibration, f"device profile {device}: calibration")
     p = check_available(p, simulate=simulate)
     given = calibration is not None
     if calibration is None and model_dir is not None and p.name == "host":

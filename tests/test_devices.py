@@ -137,10 +137,27 @@ BASE = load_profile("snapdragon-x-npu").to_dict()
     (dict(bandwidth_gbs=0), "bandwidth_gbs"),
     (dict(source="  "), "source"),
     (dict(cores=0), "cores"),
+    # wrong types were tracebacks (TypeError, AttributeError) far from the file
+    (dict(shape_buckets=8), "shape_buckets must be a list"),
+    (dict(weight_precisions="w8a8"), "weight_precisions must be a list"),
+    (dict(execution_provider=5), "execution_provider must be a string"),
+    (dict(source=[]), "source must be a string"),
+    (dict(provider_options=[1, 2]), "provider_options must be a JSON object"),
+    (dict(calibration=[1]), "calibration must be a JSON object"),
 ])
 def test_validation_names_the_field(change, field):
     with pytest.raises(ProfileError, match=field):
         profile_from_dict({**BASE, **change}, "test.json")
+
+
+def test_a_profiles_own_calibration_is_checked_naming_the_profile(tmp_path):
+    from edge.planning import CalibrationError, profile_for
+
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({**load_profile("laptop-cpu-16gb").to_dict(),
+                             "calibration": {"memory": {"baseline_mb": "x"}}}))
+    with pytest.raises(CalibrationError, match=f"device profile {f}: calibration: .*baseline_mb must be a number"):
+        profile_for(str(f))
 
 
 def test_missing_fields_are_named():

@@ -273,6 +273,8 @@ def test_calibration_overrides_and_errors():
     assert Calibration.from_dict(None, "gpu").weights == "full"
     with pytest.raises(ValueError, match="unknown memory calibration key"):
         Calibration.from_dict({"baseline": 1})
+    with pytest.raises(ValueError, match=r"embedding_distinct_exp must be in \[0, 1\]"):  # was an OverflowError
+        Calibration.from_dict({"embedding_distinct_exp": 1000})  # traceback when the planner used it
     with pytest.raises(ValueError, match="device class"):
         Calibration.from_dict({}, "tpu")
     with pytest.raises(ValueError, match=">= 0"):
