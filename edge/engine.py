@@ -688,7 +688,15 @@ class Engine:
         end = len(ids) + p.max_tokens
         if self.plan is not None:  # the context grows with every turn: re-plan
             end = min(fullest(self.context, plain_call_rows(self.profile, self.target.min_call)), end)
-            self.plan = self._replan(end, sampling=p.temperature > 0)
+            try:
+                self.plan = self._replan(end, sampling=p.temperature > 0)
+            except EngineError as e:  # when the answer's room is what does not fit, say which setting to lower
+                fits = getattr(e.__cause__, "fits", None)
+                if fits is None or fits <= len(ids):
+                    raise
+                raise EngineError(f"{e} — this request plans for its {len(ids)}-token prompt plus max_tokens "
+                                  f"{p.max_tokens}: max_tokens up to {fits - len(ids)} fits (edge-chat "
+                                  "--max-tokens)") from e.__cause__
         # also refuses a drafter this export cannot run, with the fix named
         kind, cap = self._planned_drafter(p.drafter, end, p.temperature > 0, p.draft_len)
         drafter, k = self._drafter(kind, p, rng)

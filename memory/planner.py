@@ -52,8 +52,10 @@ CALIBRATION_SECTIONS = ("device_class", "memory", "latency", "acceptance", "sour
 class BudgetError(Exception):
     """Even plain decoding does not fit; says how many MB it needs and how many there are."""
 
-    def __init__(self, required_mb: float, available_mb: float, context: int, hint: str = ""):
+    def __init__(self, required_mb: float, available_mb: float, context: int, hint: str = "",
+                 fits: int | None = None):
         self.required_mb, self.available_mb, self.context = required_mb, available_mb, context
+        self.fits = fits  # the largest context plain decoding fits at this budget (0: none; None: not searched)
         digits = next(d for d in (1, 2, 3, 6) if round(required_mb, d) != round(available_mb, d) or d == 6)
         super().__init__(
             f"plain decoding at context {context} needs {required_mb:.{digits}f} MB but the memory budget is "
@@ -440,8 +442,8 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
     slots = min(t.max_len or 1 << 30, capacity or 1 << 30)
     if context_len + setup.plain_rows > slots:
         raise PlanError(f"context {context_len} and a {setup.plain_rows}-row call do not fit {slots} KV positions "
-                        f"({manifest.name} exported for {t.max_len}); lower --context, or load with a larger context "
-                        "/ re-export with --max-len")
+                        f"({manifest.name} exported for {t.max_len}): load with a larger context (edge.load(context=N), "
+                        "edge-chat --context N) or re-export with --max-len")
     drafters = tuple(drafters) if drafters is not None else DEFAULT_DRAFTERS
     # no candidate is dropped for its verify rows: near a full cache the runtime drafts fewer tokens (edge.engine
     # caps a draft at the room left), and the footprint prices the full call, an upper bound
@@ -453,7 +455,7 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
                 "not even a 1-token context fits: the weights" + (f" and the KV cache preallocated for {capacity} "
                                                                   "tokens" if capacity else "") + " alone exceed it") \
             + f"; raise --budget-mb to at least {math.ceil(plain.peak_mb)} or lower --context"
-        raise BudgetError(plain.peak_mb, budget, context_len, hint)
+        raise BudgetError(plain.peak_mb, budget, context_len, hint, fits=max(fits, 0))
     if ceiling is not None:
         cands = [c for c in cands if _within(c, ceiling, manifest)]
     # fastest first (ties: fewer nodes, then the cheaper drafter); the first that fits wins

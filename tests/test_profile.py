@@ -592,6 +592,26 @@ def test_the_model_drafter_prefills_in_the_profiles_chunks_too(tiny_dir, tmp_pat
     assert r.stats.prompt_tokens > 40 and widest == {"target": 16, "drafter": 16}, widest
 
 
+def test_a_budget_refusal_caused_by_max_tokens_names_max_tokens(tiny_dir):
+    """A short question refused because prompt + max_tokens does not fit told the user to lower --context."""
+    from edge.planning import plan_report
+
+    probe = edge.load(tiny_dir, context=256)
+    budget = plan_report(probe.manifest, profile_for(None), 256, None, at=160)["min_budget_plain_mb"]
+    e = edge.load(tiny_dir, context=256, budget_mb=budget)
+    with pytest.raises(EngineError, match=r"max_tokens 200: max_tokens up to (\d+) fits") as err:
+        e.generate("the quick brown fox", max_tokens=200)
+    most = int(re.search(r"max_tokens up to (\d+) fits", str(err.value)).group(1))
+    assert e.generate("the quick brown fox", max_tokens=most).stats.generated > 0
+    with pytest.raises(EngineError, match="max_tokens up to"):
+        e.generate("the quick brown fox", max_tokens=most + 1)
+
+
+def test_a_context_too_small_for_one_call_says_to_load_a_larger_one(tiny_dir):
+    with pytest.raises(EngineError, match=r"do not fit 1 KV positions .*: load with a larger context"):
+        edge.load(tiny_dir, context=1, budget_mb=4096)
+
+
 def test_predicted_kv_bytes_are_the_allocated_buffers(tiny_dir):
     from memory import Speculation
 
