@@ -23,6 +23,7 @@ ACTIVATION_DTYPES = ("float32", "float16")
 CPU_EP = "CPUExecutionProvider"
 HOST = "host"
 HOST_BUDGET_FRACTION = 0.5  # of the RAM available when the host is detected: leave the rest to everything else
+CGROUP_ROOT = Path("/sys/fs/cgroup")  # where a container's memory limit is read (cgroup v2, else v1)
 # How to get an execution provider that this onnxruntime build lacks (named in the error).
 EP_INSTALL = {
     "CUDAExecutionProvider": "pip install onnxruntime-gpu (NVIDIA driver + CUDA 12)",
@@ -193,13 +194,33 @@ def available_providers() -> list[str]:
     return list(ort.get_available_providers())
 
 
+def cgroup_memory() -> tuple[int, int] | None:
+    """(limit, usage) in bytes of the memory cgroup this process runs in (a container's or a systemd slice's
+    limit, which psutil's RAM figures do not see), or None where there is no limit."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = (CGROUP_ROOT / limit_file).read_text().strip()
+            usage = int((CGROUP_ROOT / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 writes "no limit" as ~2^63
+            return None
+        return int(limit), usage
+    return None
+
+
 def detect_host(providers: list[str] | None = None) -> DeviceProfile:
-    """This machine, as a CPU profile: total/available RAM and cores from psutil, installed ORT providers.
-    Budget: HOST_BUDGET_FRACTION of the RAM available right now."""
+    """This machine, as a CPU profile: total/available RAM and cores from psutil (within the process's memory
+    cgroup limit, if it has one), installed ORT providers. Budget: HOST_BUDGET_FRACTION of the RAM available."""
     import psutil
 
     vm = psutil.virtual_memory()
     total_mb, avail_mb = vm.total >> 20, vm.available >> 20
+    cg = cgroup_memory()
+    if cg is not None:  # a container: what the machine has free is not what this process may use
+        total_mb = min(total_mb, cg[0] >> 20)
+        avail_mb = min(avail_mb, max(cg[0] - cg[1], 0) >> 20)
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
     installed = tuple(providers if providers is not None else available_providers())
     return DeviceProfile(
@@ -207,7 +228,7 @@ def detect_host(providers: list[str] | None = None) -> DeviceProfile:
         device_class="cpu", execution_provider=CPU_EP, memory_total_mb=max(total_mb, 1),
         budget_mb=max(1, min(total_mb, int(avail_mb * HOST_BUDGET_FRACTION))), bandwidth_gbs=None,
         weight_precisions=PRECISIONS, activation_dtype="float32", cores=cores, providers_installed=installed,
-        source="detected at run time: psutil.virtual_memory() and cpu_count(), "
+        source="detected at run time: psutil.virtual_memory() and cpu_count(), the memory cgroup's limit, "
                "onnxruntime.get_available_providers(); bandwidth not measured",
         notes=f"budget = {HOST_BUDGET_FRACTION:.0%} of the RAM available at detection")
 

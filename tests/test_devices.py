@@ -10,6 +10,7 @@ from dataclasses import replace
 import psutil
 import pytest
 
+import devices
 from devices import (CPU_EP, HOST, DeviceProfile, ProfileError, ProviderUnavailable, available_providers,
                      check_available, detect_host, list_profiles, load_profile, profile_from_dict)
 
@@ -59,14 +60,35 @@ def test_spec_numbers():
 def test_host_detection():
     h = load_profile(HOST)
     vm = psutil.virtual_memory()
+    cg = devices.cgroup_memory()
     assert h.name == HOST and h.device_class == "cpu" and h.execution_provider == CPU_EP
-    assert h.memory_total_mb == vm.total >> 20
+    assert h.memory_total_mb == (vm.total >> 20 if cg is None else min(vm.total >> 20, cg[0] >> 20))
     assert 0 < h.budget_mb <= (vm.total >> 20)
     assert h.cores >= 1 and CPU_EP in h.providers_installed
     assert set(h.weight_precisions) == {"fp32", "fp16", "int8", "int4", "w8a8"} and not h.static_shapes
     h2 = detect_host(providers=["CPUExecutionProvider", "CUDAExecutionProvider"])
     assert h2.providers_installed == ("CPUExecutionProvider", "CUDAExecutionProvider")
     assert check_available(h) is h
+
+
+@pytest.mark.parametrize("files,limited", [
+    ({"memory.max": "1073741824\n", "memory.current": "805306368\n"}, True),  # cgroup v2: 1 GiB, 768 MiB used
+    ({"memory/memory.limit_in_bytes": "1073741824", "memory/memory.usage_in_bytes": "805306368"}, True),  # v1
+    ({"memory.max": "max\n", "memory.current": "805306368\n"}, False),
+    ({"memory/memory.limit_in_bytes": str(2**63 - 4096), "memory/memory.usage_in_bytes": "1"}, False),
+    ({}, False)])
+def test_host_budget_stays_inside_a_containers_memory_limit(tmp_path, monkeypatch, files, limited):
+    """psutil reports the machine's RAM: inside a container limited to 1 GiB on a large machine the host budget
+    was half of the machine's free RAM, and the process was killed at the container's limit instead."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(devices, "CGROUP_ROOT", tmp_path)
+    h = detect_host()
+    if limited:
+        assert h.memory_total_mb <= 1024 and 0 < h.budget_mb <= 128  # half of the 256 MB the cgroup has left
+    else:
+        assert h.memory_total_mb == psutil.virtual_memory().total >> 20
 
 
 def test_missing_provider_error_names_it_and_the_simulate_flag():
