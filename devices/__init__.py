@@ -24,6 +24,7 @@ CPU_EP = "CPUExecutionProvider"
 HOST = "host"
 HOST_BUDGET_FRACTION = 0.5  # of the RAM available when the host is detected: leave the rest to everything else
 CGROUP_ROOT = Path("/sys/fs/cgroup")  # where a container's memory limit is read (cgroup v2, else v1)
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")  # this process's cgroup path under it (a systemd slice, a container)
 # How to get an execution provider that this onnxruntime build lacks (named in the error).
 EP_INSTALL = {
     "CUDAExecutionProvider": "pip install onnxruntime-gpu (NVIDIA driver + CUDA 12)",
@@ -195,18 +196,33 @@ def available_providers() -> list[str]:
 
 
 def cgroup_memory() -> tuple[int, int] | None:
-    """(limit, usage) in bytes of the memory cgroup this process runs in (a container's or a systemd slice's
-    limit, which psutil's RAM figures do not see), or None where there is no limit."""
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            limit = (CGROUP_ROOT / limit_file).read_text().strip()
-            usage = int((CGROUP_ROOT / usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 writes "no limit" as ~2^63
-            return None
-        return int(limit), usage
+    """(limit, working set) in bytes of the memory cgroup this process runs in (a container's or a systemd
+    slice's limit, which psutil's RAM figures do not see), or None where there is no limit. The working set is the
+    usage less the inactive page cache the kernel reclaims first (as docker and the kubelet count it)."""
+    try:
+        own = {line.split(":", 2)[1]: line.split(":", 2)[2].strip().lstrip("/")
+               for line in PROC_SELF_CGROUP.read_text().splitlines() if line.count(":") >= 2}
+    except OSError:
+        own = {}
+    layouts = (("", own.get(""), "memory.max", "memory.current", "inactive_file"),  # v2
+               ("memory", own.get("memory"), "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+    for sub, path, limit_file, usage_file, inactive in layouts:
+        for d in dict.fromkeys([CGROUP_ROOT / sub / path if path else None, CGROUP_ROOT / sub]):
+            if d is None:
+                continue
+            try:
+                limit = (d / limit_file).read_text().strip()
+                usage = int((d / usage_file).read_text().strip())
+            except (OSError, ValueError):
+                continue
+            if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 writes "no limit" as ~2^63
+                return None
+            try:
+                stat = dict(line.split() for line in (d / "memory.stat").read_text().splitlines() if " " in line)
+                usage -= min(int(stat.get(inactive, 0)), usage)
+            except (OSError, ValueError):
+                pass
+            return int(limit), usage
     return None
 
 

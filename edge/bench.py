@@ -4,9 +4,11 @@ Modes alternate per prompt (so drift of the machine's speed hits every mode alik
 --reps times, and figures are medians. Every run of a prompt starts from the drafter state the earlier prompts
 left (Token Recycling's tables, acceptance statistics), never from one that has seen this prompt's own answer.
 Every mode's output is compared token for token with `none`'s in the same repeat. With --temp > 0 the modes sample
-instead (a prompt's repeat r uses seed --seed + r in every mode); seeded, every drafter draws the very answer plain
-sampling draws (drafts are checked against one draw per emitted token; a seeded model drafter drafts its argmax), so
-sampled outputs are compared too. Speed ratios pair each mode with `none` within a repeat.
+instead (a prompt's repeat r uses seed --seed + r in every mode, turn t of a chat adds 1000·t); seeded, a chain
+drafter draws the very answer plain sampling draws (drafts are checked against one draw per emitted token; a seeded
+model drafter drafts its argmax), so sampled outputs are compared too. On graphs that verify trees (fp32
+activations), a tree call's logits differ from the path's in the last bits, which may move a sampled draw: sampled
+tree modes are not compared there. Speed ratios pair each mode with `none` within a repeat.
 With --peer-model, onnxruntime-genai (../shared/peers/) joins the rotation as modes `genai` (greedy) and
 `genai-ngram` (its n-gram speculation), on the same token ids, first turns only; the JSON then compares every mode
 with the peer's best mode per category (`versus_peer`) and counts the peer's n-gram answers that kept its own greedy
@@ -247,10 +249,10 @@ def _same_output(x: dict, r: dict) -> bool:
     return all(x["by_rep"][k][0] == r["by_rep"][k][0] for k in x["by_rep"].keys() & r["by_rep"].keys())
 
 
-def summarize(runs: list[dict], modes: list[str]) -> dict:
+def summarize(runs: list[dict], modes: list[str], uncompared: tuple[str, ...] = ()) -> dict:
     """Per category and mode: medians over prompts of each prompt's median over repeats (`ratio_vs_none`: of its
     ratio to `none` within each repeat). `identical_to_none` counts the prompts whose every repeat's output equals
-    none's in that repeat; a peer's speculative mode is
+    none's in that repeat (None for the `uncompared` modes); a peer's speculative mode is
     compared with the peer's own greedy output instead (`identical_to_own_greedy`). `looping` counts the prompts
     whose (first repeat's) answer repeats an 8-token sequence 3 times or more."""
     per = _per_prompt(runs)
@@ -279,12 +281,12 @@ def summarize(runs: list[dict], modes: list[str]) -> dict:
             else:
                 ref, key = "none", "identical_to_none"
             same = [_same_output(x, r) for x, r in _pairs(per, c, keys, m, ref)]
-            row[m][key] = f"{sum(same)}/{len(same)}" if same else None
+            row[m][key] = f"{sum(same)}/{len(same)}" if same and m not in uncompared else None
         out[c] = row
     return out
 
 
-def per_prompt(runs: list[dict]) -> list[dict]:
+def per_prompt(runs: list[dict], uncompared: tuple[str, ...] = ()) -> list[dict]:
     """One row per prompt, turn and mode: its medians over repeats, its ratio to `none` (paired by repeat) and
     whether its output equals the reference's (`none`'s, or for a peer's n-gram mode the peer's greedy)."""
     per = _per_prompt(runs)
@@ -295,7 +297,7 @@ def per_prompt(runs: list[dict]) -> list[dict]:
         rows.append({"id": p, "turn": t, "category": c, "mode": m, "decode_tok_s": _med([v["decode_tok_s"]], 2),
                      "ratio_vs_none": None if base is None or (q := _paired_ratio(v, base)) is None else round(q, 3),
                      "mean_accepted": _med([v["mean_accepted"]], 3), "peak_rss_mb": v["peak_rss_mb"],
-                     "identical": None if ref is None or ref is v else _same_output(v, ref)})
+                     "identical": None if ref is None or ref is v or m in uncompared else _same_output(v, ref)})
     return rows
 
 
@@ -336,7 +338,7 @@ def markdown(summary: dict, modes: list[str], peer: dict | None = None) -> str:
                 cells.append("—")
                 continue
             kept = v.get("identical_to_none", v.get("identical_to_own_greedy"))
-            kept = kept or ("—" if m in PEER_MODES and m not in PEER_REFERENCE else "sampled")
+            kept = kept or ("—" if m in PEER_MODES and m not in PEER_REFERENCE else "not compared")
             acc = "—" if v["mean_accepted"] is None else v["mean_accepted"]
             py = "—" if v.get("python_ms_per_step") is None else v["python_ms_per_step"]
             cells.append(f"{v['decode_tok_s']} (×{v['ratio_vs_none']}, {acc}, {py}, {kept}, {v['looping']})")
@@ -448,6 +450,7 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
     from .cli import peak_rss_mb
 
     runs, skipped = [], []
+    start_peak = peak_rss_mb()  # loading; the warm-up and each run then measure their own peaks
     fresh = engine.drafter_state()
     for it in items:  # warm-up on the first item that fits the context (Ctrl-C here reaches main: nothing ran yet)
         try:
@@ -470,7 +473,6 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
         except ImportError:
             pass
     learned: dict[str, tuple[float, float]] = {}  # label -> (accepted, tested) over every speculative run
-    start_peak = peak_rss_mb()  # loading and the warm-up; each run then measures its own peak
     t0 = time.time()
     failed: str | None = None  # why the run stopped early, when it did
     interrupted = False
@@ -519,7 +521,9 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
     if not runs:  # an empty table must not replace the results of an earlier run
         print(f"edge-bench: no run finished; {out} and {md_out} left as they were", file=sys.stderr)
         return 130 if interrupted else 1
-    summary = summarize(runs, modes)
+    # sampled tree calls may move a draw (their logits differ from the path's in the last bits): not compared
+    uncompared = ("recycling", "hybrid") if a.temp > 0 and engine.target.tree_exact else ()
+    summary = summarize(runs, modes, uncompared)
     vs_peer = versus_peer(runs, modes) if peer else None
     m = engine.manifest
     sampled = engine.head_hits + engine.head_misses
@@ -539,7 +543,7 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
            "versus_peer": vs_peer,
            "token_acceptance": {x: {"lifetime": round(h / n, 4), "n": int(n)} for x, (h, n) in
                                 sorted(learned.items())},
-           "per_prompt": per_prompt(runs), "runs": runs}
+           "per_prompt": per_prompt(runs, uncompared), "runs": runs}
     md = markdown(summary, modes, vs_peer)
     if a.temp > 0:
         md += f"\n\nSampled at temperature {a.temp}, top-p {a.top_p}, top-k {a.top_k or 'off'}, seed {a.seed} + repeat."

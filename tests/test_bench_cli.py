@@ -206,6 +206,13 @@ def test_ratios_pair_modes_within_a_repeat_and_every_repeat_is_compared():
 def test_each_run_records_its_own_peak_rss_and_one_token_answers_have_no_speed(model, tmp_path, capsys):
     import sys
 
+    import numpy as np
+
+    from edge.memprobe import peak_rss_bytes
+
+    spike = np.ones(300 << 17)  # 300 MB touched and freed: the process's peak, not any run's
+    del spike
+    lifetime = peak_rss_bytes() / 2**20
     out = tmp_path / "b.json"
     rc, err = _main([str(_prompts(tmp_path, TWO)), "--model", model, "--reps", "1", "--max-tokens", "4",
                      "--modes", "none,lookup", "--out", str(out), "--quiet"], capsys)
@@ -214,6 +221,7 @@ def test_each_run_records_its_own_peak_rss_and_one_token_answers_have_no_speed(m
     if sys.platform == "linux":
         peaks = [r["peak_rss_mb"] for r in doc["runs"]]
         assert all(10 < p <= doc["peak_rss_mb"] for p in peaks), (peaks, doc["peak_rss_mb"])
+        assert max(peaks) < lifetime - 200, (peaks, lifetime)  # each run's own peak
         assert doc["summary"]["qa"]["lookup"]["peak_rss_mb"] > 10
     assert {(r["id"], r["mode"]) for r in doc["per_prompt"]} == {(i, m) for i in ("x0", "x1") for m in ("none", "lookup")}
     with pytest.raises(SystemExit) as e:  # an answer of one token has no decode speed to measure

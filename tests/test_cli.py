@@ -180,19 +180,21 @@ def test_bench_writes_json_and_markdown(model, tmp_path):
 
 
 def test_bench_sampling_runs_every_mode_with_the_same_seeds(model, tmp_path):
-    """--temp: modes sample, repeat r with seed + r in every mode, and a seeded speculative answer is plain
-    sampling's with that seed, so outputs are compared (they were not: a free lossless check thrown away); the
-    JSON records the settings and the share of rows the on-graph head served."""
+    """--temp: modes sample, repeat r with seed + r in every mode, and a seeded chain drafter's answer is plain
+    sampling's with that seed, so outputs are compared (they were not: a free lossless check thrown away); on this
+    tree-verifying fp32 export recycling drafts trees, whose sampled draws may move: not compared. The JSON records
+    the settings and the share of rows the on-graph head served."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "category": "qa", "turns": ["the quick brown fox"]}) + "\n")
     out = tmp_path / "b.json"
     r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "2", "--max-tokens", "12", "--modes",
-              "none,recycling", "--temp", "0.8", "--top-k", "20", "--seed", "7", "--out", str(out), "--quiet"])
+              "none,lookup,recycling", "--temp", "0.8", "--top-k", "20", "--seed", "7", "--out", str(out), "--quiet"])
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     assert doc["sampling"]["temperature"] == 0.8 and doc["sampling"]["top_k"] == 20
     assert doc["sampling"]["rows_from_head"] == 1.0  # a top-k cut inside the head's k: never the logits
-    assert doc["summary"]["qa"]["recycling"]["identical_to_none"] == "1/1"
+    assert doc["summary"]["qa"]["lookup"]["identical_to_none"] == "1/1"
+    assert doc["summary"]["qa"]["recycling"]["identical_to_none"] is None
     assert "temperature 0.8, top-p 1.0, top-k 20" in out.with_suffix(".md").read_text()
     import edge
 

@@ -71,22 +71,33 @@ def test_host_detection():
     assert check_available(h) is h
 
 
-@pytest.mark.parametrize("files,limited", [
-    ({"memory.max": "1073741824\n", "memory.current": "805306368\n"}, True),  # cgroup v2: 1 GiB, 768 MiB used
-    ({"memory/memory.limit_in_bytes": "1073741824", "memory/memory.usage_in_bytes": "805306368"}, True),  # v1
-    ({"memory.max": "max\n", "memory.current": "805306368\n"}, False),
-    ({"memory/memory.limit_in_bytes": str(2**63 - 4096), "memory/memory.usage_in_bytes": "1"}, False),
-    ({}, False)])
-def test_host_budget_stays_inside_a_containers_memory_limit(tmp_path, monkeypatch, files, limited):
+GIB, USED, CACHE = "1073741824", "805306368", "536870912"  # 1 GiB limit, 768 MiB used of which 512 MiB page cache
+
+
+@pytest.mark.parametrize("own,files,left_mb", [
+    ("0::/\n", {"memory.max": GIB + "\n", "memory.current": USED + "\n"}, 256),  # cgroup v2
+    ("0::/\n", {"memory.max": GIB, "memory.current": USED, "memory.stat": f"anon 1\ninactive_file {CACHE}\n"},
+     768),  # the inactive page cache is reclaimed first: not counted as used
+    ("0::/app.slice\n", {"app.slice/memory.max": GIB, "app.slice/memory.current": USED}, 256),  # its own cgroup
+    ("4:memory:/\n", {"memory/memory.limit_in_bytes": GIB, "memory/memory.usage_in_bytes": USED,
+                      "memory/memory.stat": f"total_inactive_file {CACHE}\n"}, 768),  # v1
+    ("0::/\n", {"memory.max": "max\n", "memory.current": USED}, None),
+    ("4:memory:/\n", {"memory/memory.limit_in_bytes": str(2**63 - 4096), "memory/memory.usage_in_bytes": "1"}, None),
+    ("", {}, None)])
+def test_host_budget_stays_inside_a_containers_memory_limit(tmp_path, monkeypatch, own, files, left_mb):
     """psutil reports the machine's RAM: inside a container limited to 1 GiB on a large machine the host budget
     was half of the machine's free RAM, and the process was killed at the container's limit instead."""
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
+    (tmp_path / "self-cgroup").write_text(own)
     monkeypatch.setattr(devices, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(devices, "PROC_SELF_CGROUP", tmp_path / "self-cgroup")
     h = detect_host()
-    if limited:
-        assert h.memory_total_mb <= 1024 and 0 < h.budget_mb <= 128  # half of the 256 MB the cgroup has left
+    if left_mb is not None:
+        avail = psutil.virtual_memory().available >> 20
+        assert h.memory_total_mb <= 1024
+        assert h.budget_mb == max(1, int(min(avail, left_mb) * devices.HOST_BUDGET_FRACTION))
     else:
         assert h.memory_total_mb == psutil.virtual_memory().total >> 20
 
