@@ -57,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--categories", help="comma-separated categories to run (default: all)")
     ap.add_argument("--second-turn", metavar="TEXT",
                     help="after each item's last answer, send TEXT as one more turn (e.g. a rewrite request); "
-                         "measured under category '<cat>+turnN', N = the item's turns + 1 (turn2 for single-turn items, "
-                         "beside multi-turn items' real second turns)")
+                         "measured under category '<cat>+turnN', N = the item's turns + 1 (turn2 for single-turn "
+                         "items, beside multi-turn items' real second turns)")
     ap.add_argument("--draft-len", type=non_negative_int, help="draft length override (0-64)")
     ap.add_argument("--temp", type=float, default=0.0,
                     help="sampling temperature (default 0: greedy); greedy or seeded, every mode's output is compared "

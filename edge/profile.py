@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"comma-separated subset of {','.join(STEPS)} (default all four), plus {','.join(EXTRA_STEPS)}: "
                          "a budgeted edge-chat session, only when named")
     ap.add_argument("--sizes", type=_int_list(1, MAX_CALL), default="1,2,3,4,6,8,12,16,24,32,48,65",
-                    help=f"rows per call for the latency curve, each 1-{MAX_CALL} (default 1,2,3,4,6,8,12,16,24,32,48,65)")
+                    help=f"rows per call for the latency curve, each 1-{MAX_CALL} "
+                         "(default 1,2,3,4,6,8,12,16,24,32,48,65)")
     ap.add_argument("--latency-context", type=positive_int, default=256,
                     help="cached tokens before each latency call (default 256)")
     ap.add_argument("--latency-reps", type=positive_int, default=7,
@@ -98,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="budget for the planner's choice (default: the host profile's)")
     ap.add_argument("--contexts", type=_int_list(1), default="256,1024,4096", help="contexts of the memory sweep (default 256,1024,4096)")
     ap.add_argument("--mem-ks", type=_int_list(0, MAX_DRAFT_LEN), default="0,16",
-                    help=f"draft lengths of the memory sweep, each 0-{MAX_DRAFT_LEN} (0 = plain decoding; default 0,16)")
+                    help=f"draft lengths of the memory sweep, each 0-{MAX_DRAFT_LEN} "
+                         "(0 = plain decoding; default 0,16)")
     ap.add_argument("--mem-drafter", choices=[d for d in DRAFTERS if d not in ("auto", "none")],
                     default="lookup", help="drafter of the memory sweep's speculative runs (default lookup)")
     ap.add_argument("--specmemo-context", type=non_negative_int, default=1024,

@@ -245,7 +245,8 @@ class Calibration:
             if isinstance(v, float) and not 0 <= v < math.inf:
                 raise ValueError(f"calibration {f.name} must be a finite number >= 0 (got {v})")
         if not self.embedding_distinct_exp <= 1:  # distinct tokens grow at most as fast as the context
-            raise ValueError(f"calibration embedding_distinct_exp must be in [0, 1] (got {self.embedding_distinct_exp})")
+            raise ValueError("calibration embedding_distinct_exp must be in [0, 1] "
+                             f"(got {self.embedding_distinct_exp})")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None, device_class: str = "cpu") -> "Calibration":

@@ -442,8 +442,8 @@ def plan(profile, manifest, context_len: int, stats=None, budget_mb: float | Non
     slots = min(t.max_len or 1 << 30, capacity or 1 << 30)
     if context_len + setup.plain_rows > slots:
         raise PlanError(f"context {context_len} and a {setup.plain_rows}-row call do not fit {slots} KV positions "
-                        f"({manifest.name} exported for {t.max_len}): load with a larger context (edge.load(context=N), "
-                        "edge-chat --context N) or re-export with --max-len")
+                        f"({manifest.name} exported for {t.max_len}): load with a larger context "
+                        "(edge.load(context=N), edge-chat --context N) or re-export with --max-len")
     drafters = tuple(drafters) if drafters is not None else DEFAULT_DRAFTERS
     # no candidate is dropped for its verify rows: near a full cache the runtime drafts fewer tokens (edge.engine
     # caps a draft at the room left), and the footprint prices the full call, an upper bound

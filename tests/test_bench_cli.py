@@ -223,7 +223,8 @@ def test_each_run_records_its_own_peak_rss_and_one_token_answers_have_no_speed(m
         assert all(10 < p <= doc["peak_rss_mb"] for p in peaks), (peaks, doc["peak_rss_mb"])
         assert max(peaks) < lifetime - 200, (peaks, lifetime)  # each run's own peak
         assert doc["summary"]["qa"]["lookup"]["peak_rss_mb"] > 10
-    assert {(r["id"], r["mode"]) for r in doc["per_prompt"]} == {(i, m) for i in ("x0", "x1") for m in ("none", "lookup")}
+    assert {(r["id"], r["mode"]) for r in doc["per_prompt"]} == {(i, m) for i in ("x0", "x1")
+                                                                  for m in ("none", "lookup")}
     with pytest.raises(SystemExit) as e:  # an answer of one token has no decode speed to measure
         bench.main([str(_prompts(tmp_path, TWO)), "--model", model, "--max-tokens", "1", "--out", str(out)])
     assert e.value.code == 2 and "argument --max-tokens: 1 must be at least 2" in capsys.readouterr().err

@@ -791,4 +791,5 @@ def test_the_cache_holds_exactly_the_emitted_tokens_after_a_stop(fresh):
         fresh.reset()
         r = fresh.generate(prompt, max_tokens=40, drafter=kind, stop=[stop])
         assert r.finish_reason == "stop"
-        assert fresh.cached == fresh.encode(prompt) + r.token_ids[:-1] and fresh.target.cache.length == len(fresh.cached)
+        assert fresh.cached == fresh.encode(prompt) + r.token_ids[:-1]
+        assert fresh.target.cache.length == len(fresh.cached)

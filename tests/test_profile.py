@@ -577,7 +577,7 @@ def test_the_model_drafter_prefills_in_the_profiles_chunks_too(tiny_dir, tmp_pat
     prof.update(name="chunked", prefill_chunk=16)
     (tmp_path / "c.json").write_text(json.dumps(prof))
     e = edge.load(tiny_dir, context=256, device=str(tmp_path / "c.json"), simulate=True, drafter="model")
-    e.generate("hi", max_tokens=2, drafter="model")  # opens the drafter's session (its load-time probes are not prefill)
+    e.generate("hi", max_tokens=2, drafter="model")  # opens the drafter's session (its load probes are not prefill)
     widest, real = {}, GraphSession.forward
 
     def forward(self, tokens, *a, **k):
