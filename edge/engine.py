@@ -384,6 +384,7 @@ class Engine:
                               min_call=self.target.min_call, capacity=self.context, sampling=sampling,
                               max_k=max(MAX_CHAIN, draft_len or 0))
             if kind == "model" and n == 0 and not following:
+                self._drafter_sess = None  # open from an earlier request: no longer within the budget
                 raise EngineError(f"drafter 'model' does not fit the {self.plan.budget_mb:g} MB memory budget at "
                                   f"context {context} (its session and KV cache); leave the drafter unset to follow "
                                   f"the plan ({self.plan.drafter})")

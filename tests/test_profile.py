@@ -417,6 +417,11 @@ def test_a_plan_decides_the_drafter_and_refuses_one_it_did_not_budget(tiny_dir, 
     with pytest.raises(EngineError, match="drafter 'model' does not fit the"):
         tight.generate("the quick brown fox", max_tokens=8, drafter="model")
     assert tight._drafter_sess is None
+    e.generate("the quick brown fox", max_tokens=8, drafter="model")  # its session opens under the roomy budget
+    e.budget_mb = tight.budget_mb  # then the budget shrinks: the refusal closes the session it no longer fits
+    with pytest.raises(EngineError, match="drafter 'model' does not fit the"):
+        e.generate("the quick brown fox", max_tokens=8, drafter="model")
+    assert e._drafter_sess is None
     e = edge.load(tiny_dir, context=256, calibration=cal, budget_mb=1e5)
     drafted = e.generate("the quick brown fox jumps over the lazy dog " * 3, max_tokens=24, drafter="auto",
                          draft_len=64).stats
