@@ -26,10 +26,10 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import int_at_least, non_negative_int, positive_int, was_interrupted
+from .cli import int_at_least, non_negative_int, peak_rss_mb, positive_int, was_interrupted
 from .engine import ContextFull, EngineError
 from .files import unwritable, write_atomic
-from .memprobe import peak_rss_bytes, reset_peak_rss
+from .memprobe import reset_peak_rss
 from .peer import PEER_MODES, PEER_REFERENCE, Peer, PeerError, model_dir_problem
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "public.jsonl"
@@ -159,7 +159,7 @@ def _run_one(engine, it: dict, mode: str, a, rep: int = 0) -> list[dict]:
                      "steps": st.steps, "drafted": st.drafted, "accepted": st.accepted,
                      "mean_accepted": st.mean_accepted, "target_s": st.target_s, "draft_s": st.draft_s,
                      "overhead_ms_per_step": st.overhead_ms_per_step, "python_ms_per_step": st.python_ms_per_step,
-                     "peak_rss_mb": peak_rss_bytes() / 2**20 if own_peak else None})  # this turn's own peak
+                     "peak_rss_mb": peak_rss_mb() if own_peak else None})  # this turn's own peak
     return recs
 
 
@@ -447,8 +447,6 @@ def _main(a) -> int:
 
 
 def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, out: Path, md_out: Path) -> int:
-    from .cli import peak_rss_mb
-
     runs, skipped = [], []
     start_peak = peak_rss_mb()  # loading; the warm-up and each run then measure their own peaks
     fresh = engine.drafter_state()
