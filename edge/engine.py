@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from kernels.sampling import check_chosen, probs_from_top, process_logits, sample_from
+from kernels.sampling import check_chosen, make_sampler, probs_from_top, process_logits
 from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
@@ -713,11 +713,7 @@ class Engine:
         ort1 = self._ort_run_s()
         try:
             logits = self._prefill(ids, st)
-            if p.temperature == 0:
-                first = int(np.argmax(logits))
-                check_chosen(logits[first : first + 1])
-            else:
-                first = sample_from(process_logits(logits, p.temperature, p.top_k, p.top_p), rng)
+            first = make_sampler(p.temperature, p.top_k, p.top_p)(logits, rng)  # greedy: argmax, checked
             st.prefill_s = time.perf_counter() - t0
             t1, ort1 = time.perf_counter(), self._ort_run_s()
             drafter.begin(ids + [first])  # a model drafter prefills its own cache here: drafter time

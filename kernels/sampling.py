@@ -263,10 +263,7 @@ def make_sampler(
             logits = np.asarray(logits)  # [V] or [N, V]
             assert logits.ndim in (1, 2), logits.shape
             tokens = np.argmax(logits, axis=-1)
-            # argmax lands on NaN if there is one, and on index 0 of an all -inf row.
-            chosen = np.take_along_axis(logits, np.asarray(tokens)[..., None], axis=-1)
-            if not np.all(chosen < np.inf) or np.any(chosen == -np.inf):
-                _check_logits(logits)  # names the rows of the whole logits
+            check_chosen(np.take_along_axis(logits, np.asarray(tokens)[..., None], axis=-1).reshape(-1))  # [N] or [1]
             return int(tokens) if logits.ndim == 1 else tokens.astype(np.int64)
 
         return sample_greedy
