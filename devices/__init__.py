@@ -207,9 +207,7 @@ def cgroup_memory() -> tuple[int, int] | None:
     layouts = (("", own.get(""), "memory.max", "memory.current", "inactive_file"),  # v2
                ("memory", own.get("memory"), "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
     for sub, path, limit_file, usage_file, inactive in layouts:
-        for d in dict.fromkeys([CGROUP_ROOT / sub / path if path else None, CGROUP_ROOT / sub]):
-            if d is None:
-                continue
+        for d in ([CGROUP_ROOT / sub / path] if path else []) + [CGROUP_ROOT / sub]:  # its own cgroup, else the root
             try:
                 limit = (d / limit_file).read_text().strip()
                 usage = int((d / usage_file).read_text().strip())
