@@ -22,9 +22,10 @@ from pathlib import Path
 
 from memory.footprint import recycling_bytes
 
-from .cli import non_negative_int, positive_int
+from .cli import non_negative_int, peak_rss_mb, positive_int
 from .engine import DRAFTERS
 from .files import unwritable
+from .memprobe import rss_bytes
 
 QUESTIONS = [
     "Name a river in Europe.", "What is 7 times 8?", "Give me a synonym for quick.", "Who wrote Hamlet?",
@@ -37,24 +38,7 @@ QUESTIONS = [
 
 
 def rss_mb() -> float:
-    import psutil
-
-    return psutil.Process().memory_info().rss / 2**20
-
-
-def peak_rss_mb() -> float:
-    """VmHWM (Linux); else ru_maxrss."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return r / 2**20 if sys.platform == "darwin" else r / 1024
+    return rss_bytes() / 2**20
 
 
 def drafter_state(engine) -> dict:
