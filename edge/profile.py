@@ -1,8 +1,8 @@
 """edge-profile: measure this host for the memory planner and write the calibration JSON it loads.
 
 Steps (--steps, default all):
-  latency     one-call milliseconds vs rows S for the target and each drafter graph (median of --latency-reps,
-              at --latency-context tokens of context)
+  latency     one-call milliseconds vs rows S for the target at each of --latency-contexts cached tokens, and for
+              each drafter graph at the first of them (median of --latency-reps)
   acceptance  per-depth acceptance of each drafter on the prompt file, drafting fixed chains of --accept-k tokens
               so every depth is tried (model-free drafters that fill trees on this export are left to priors)
   speed       tokens/s vs K (vs tree nodes where the export verifies trees exactly) and the planner's own choice,
@@ -75,8 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sizes", type=_int_list(1, MAX_CALL), default="1,2,3,4,6,8,12,16,24,32,48,65",
                     help=f"rows per call for the latency curve, each 1-{MAX_CALL} "
                          "(default 1,2,3,4,6,8,12,16,24,32,48,65)")
-    ap.add_argument("--latency-context", type=positive_int, default=256,
-                    help="cached tokens before each latency call (default 256)")
+    ap.add_argument("--latency-contexts", "--latency-context", type=_int_list(1), default="256,1024,2048",
+                    help="cached tokens before the latency calls: the target's curve is measured at each (the planner "
+                         "interpolates between them), the drafters' at the first (default 256,1024,2048)")
     ap.add_argument("--latency-reps", type=positive_int, default=7,
                     help="calls per width of the latency curve; the median is kept (default 7)")
     ap.add_argument("--prompts-per-category", type=non_negative_int, default=1,
@@ -187,12 +188,19 @@ def call_latency(session, sizes: list[int], context: int, reps: int, prog=None) 
     return out
 
 
-def measure_latency(engine, sizes, context, reps, prog) -> dict:
+def measure_latency(engine, sizes, contexts: list[int], reps, prog) -> dict:
+    """The calibration's latency section: the target's curve at each of `contexts` (the first: "target" and
+    "context"; the rest: "target_at"), each drafter graph's at the first."""
     from .runner import GraphSession
 
     m = engine.manifest
+    context = contexts[0]
     sizes = [s for s in sizes if s + context <= engine.context]
-    lat = {"target": call_latency(engine.target, sizes, context, reps, prog), "drafters": {}}
+    lat = {"target": call_latency(engine.target, sizes, context, reps, prog), "context": context, "drafters": {}}
+    at = [[c, call_latency(engine.target, [s for s in sizes if s + c <= engine.context], c, reps, prog)]
+          for c in contexts[1:]]
+    if at:
+        lat["target_at"] = at
     for g in m.drafters:
         sess = GraphSession(str(engine.model_dir / g.file), m, g, engine.context, engine.threads, engine.providers)
         lat["drafters"][g.name] = call_latency(sess, sizes, context, reps, prog)
@@ -416,7 +424,7 @@ def main(argv=None) -> int:
         return 2
     try:
         model_dir = Path(a.model) if a.model else edge.ensure_default_model()
-        want = max(a.latency_context + max(a.sizes) + 8, ENGINE_CONTEXT)
+        want = max(max(a.latency_contexts) + max(a.sizes) + 8, ENGINE_CONTEXT)
         cap = load_manifest(model_dir, verify="none").target.max_len  # a smaller export: as much as it holds
         engine = edge.Engine(model_dir, drafter="none", threads=a.threads, context=min(want, cap))
     except (EngineError, ValueError) as e:  # ModelDirError is an EngineError
@@ -430,6 +438,15 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     sizes, sweep_ks, contexts, mem_ks = a.sizes, a.sweep_ks, a.contexts, a.mem_ks
+    lat_contexts = [c for c in dict.fromkeys(a.latency_contexts) if c + min(sizes) <= engine.context]
+    if "latency" in steps and len(lat_contexts) < len(set(a.latency_contexts)):
+        skip = sorted(set(a.latency_contexts) - set(lat_contexts))
+        if not lat_contexts:
+            print(f"edge-profile: error: no --latency-contexts value leaves room for a {min(sizes)}-row call in "
+                  f"{model_dir}'s {engine.context} tokens", file=sys.stderr)
+            return 2
+        print(f"edge-profile: note: skipping --latency-contexts {skip}: no room for a {min(sizes)}-row call in "
+              f"{model_dir}'s {engine.context} tokens", file=sys.stderr)
     if "memory" in steps:  # each memory run needs room for its drafts beside the context
         room = m.target.max_len - max(mem_ks) * 2 - 40
         if not [c for c in contexts if c <= room]:
@@ -444,7 +461,7 @@ def main(argv=None) -> int:
     sweep_drafters = a.sweep_drafters
     n_configs = 3 + len(sweep_drafters) * len(sweep_ks)
     total = (("chat" in steps)
-             + ("latency" in steps) * len(sizes) * (1 + len(m.drafters))
+             + ("latency" in steps) * len(sizes) * (len(lat_contexts) + len(m.drafters))
              + ("acceptance" in steps) * len(items) * len(chain_kinds(engine))
              + ("speed" in steps) * a.reps * len(sweep_items) * n_configs
              + ("memory" in steps) * (len(contexts) * len(mem_ks) + (2 if a.specmemo_context else 0)))
@@ -473,7 +490,7 @@ def main(argv=None) -> int:
     t, stopped, failed = time.time(), None, None  # stopped: the step an interrupt or an error ended the run in
     try:
         if "latency" in steps:
-            doc["latency"] = cal["latency"] = measure_latency(engine, sizes, a.latency_context, a.latency_reps, prog)
+            doc["latency"] = cal["latency"] = measure_latency(engine, sizes, lat_contexts, a.latency_reps, prog)
         timer["latency"], t = round(time.time() - t, 1), time.time()
         if "acceptance" in steps:
             acc, counters = measure_acceptance(engine, items, a.accept_k, a.accept_k_model, a.max_tokens, prog)

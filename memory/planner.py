@@ -112,19 +112,41 @@ class LatencyCurve:
 
 @dataclass(frozen=True)
 class Latency:
-    target: LatencyCurve
+    target: LatencyCurve  # measured at `context` cached tokens (None: at one unrecorded context)
     drafters: Mapping[str, LatencyCurve] = field(default_factory=dict)  # model drafter graph name → curve
     lookup_ms: float = DEFAULT_LOOKUP_MS
     recycling_ms: float = DEFAULT_RECYCLING_MS
     overhead_ms: float = 0.0  # per step, outside the model calls (the engine's Python)
+    context: int | None = None
+    target_at: tuple[tuple[int, LatencyCurve], ...] = ()  # the target's curve at further contexts
+
+    def target_for(self, context: int) -> LatencyCurve:
+        """The target's curve at `context` cached tokens: linear in the context between measured contexts (each
+        row attends to every cached token), extended beyond the last two at their slope (never downward), flat
+        below the first. One measured context: the same curve at any context."""
+        pts = sorted(((self.context, self.target), *self.target_at), key=lambda p: p[0]) \
+            if self.context is not None else []
+        if len(pts) < 2 or context <= pts[0][0]:
+            return pts[0][1] if pts else self.target
+        for (c0, k0), (c1, k1) in zip(pts, pts[1:]):
+            if context <= c1:
+                break
+        w = (context - c0) / (c1 - c0)  # > 1 beyond the last measured context
+
+        def ms_at(s: int) -> float:
+            grow = k1(s) - k0(s)
+            return k1(s) + (w - 1) * max(grow, 0.0) if w > 1 else k0(s) + w * grow
+
+        return LatencyCurve(tuple((s, ms_at(s)) for s in sorted({s for s, _ in k0.points + k1.points})))
 
     @classmethod
     def from_calibration(cls, manifest, d: Mapping[str, Any] | None = None) -> "Latency":
         """The "latency" section of a calibration JSON: {"target": [[S, ms], ...], "drafters": {graph: [[S, ms],
-        ...]}, "lookup_ms", "recycling_ms", "overhead_ms"}. Missing curves: the manifest's export-time
-        latency_ms_s1 (or DEFAULT_T1_MS) times the export's measured shape (`export_verify_shape`)."""
+        ...]}, "lookup_ms", "recycling_ms", "overhead_ms", "context": cached tokens those curves were measured at,
+        "target_at": [[context, [[S, ms], ...]], ...]}. Missing curves: the manifest's export-time latency_ms_s1
+        (or DEFAULT_T1_MS) times the export's measured shape (`export_verify_shape`)."""
         d = dict(d or {})
-        known = {"target", "drafters", "lookup_ms", "recycling_ms", "overhead_ms"}
+        known = {"target", "drafters", "lookup_ms", "recycling_ms", "overhead_ms", "context", "target_at"}
         bad = sorted(set(d) - known)
         if bad:
             raise ValueError(f"unknown latency calibration key(s) {bad}; known: {sorted(known)}")
@@ -158,7 +180,19 @@ class Latency:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"latency {k} must be a finite number of ms >= 0 (got {v!r})")
             ms[k] = float(v)
-        return cls(target, curves, ms["lookup_ms"], ms["recycling_ms"], ms["overhead_ms"])
+        context, at = d.get("context"), d.get("target_at") or []
+        if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+            raise ValueError(f"latency context must be a whole number of cached tokens >= 1 (got {context!r})")
+        if at and (context is None or not t):
+            raise ValueError("latency target_at needs the target curve and the context it was measured at")
+        if not isinstance(at, list) or not all(isinstance(p, list) and len(p) == 2 for p in at):
+            raise ValueError(f"latency target_at: [[context, [[S, ms], ...]], ...] (got {at!r:.80})")
+        at = tuple((c, curve(v, f"target_at[{c!r}]")) for c, v in at)
+        cs = [c for c, _ in at]
+        if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cs) \
+                or len({context, *cs}) != 1 + len(cs):
+            raise ValueError(f"latency target_at: distinct whole contexts >= 1 other than context {context} (got {cs})")
+        return cls(target, curves, ms["lookup_ms"], ms["recycling_ms"], ms["overhead_ms"], context, at)
 
     def draft_ms(self, spec: Speculation, shape: TreeShape, bucket=lambda s: s) -> float:
         if spec.drafter == "none":
@@ -316,7 +350,8 @@ def _enumerate(profile, setup: _Setup, context: int, drafters, tree_drafters, ma
                sampling) -> tuple[Candidate, list[Candidate]]:
     """(plain decoding, every speculative candidate) with predicted tokens/s and footprint; no budget applied."""
     m, lat = setup.manifest, setup.latency
-    t_plain = lat.target(setup.plain_rows)
+    target = lat.target_for(context)
+    t_plain = target(setup.plain_rows)
     plain_spec = Speculation(sampling=sampling)
     plain = Candidate(plain_spec, TreeShape.chain(0), setup.plain_rows, 0.0, t_plain + lat.overhead_ms,
                       1000.0 / (t_plain + lat.overhead_ms), context, setup)
@@ -353,7 +388,7 @@ def _enumerate(profile, setup: _Setup, context: int, drafters, tree_drafters, ma
             spec = Speculation(drafter, n, graph, draft_width=width, sampling=sampling)
             rows = setup.bucket(n + 1)
             acc = float(prefix_acc[kind][n])
-            step = lat.draft_ms(spec, shape, setup.bucket) + h * lat.target(rows) + (1 - h) * t_plain \
+            step = lat.draft_ms(spec, shape, setup.bucket) + h * target(rows) + (1 - h) * t_plain \
                 + lat.overhead_ms
             out.append(Candidate(spec, shape, rows, acc, step, 1000.0 * (1 + acc) / step, context, setup))
     return plain, out

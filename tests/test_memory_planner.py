@@ -66,6 +66,60 @@ def test_export_measured_curve_shapes_the_default():
     assert lat.target(1) == 20.0 and lat.target(8) == pytest.approx(32.0) and lat.target(3) == pytest.approx(22.0)
 
 
+def test_latency_grows_with_the_context_between_measured_contexts():
+    """Curves measured at several contexts: linear in the context between them, extended at the last two's slope
+    (never downward), flat below the first; one context (or none recorded): the same curve at any context."""
+    short, mid, long = [[1, 10.0], [8, 14.0]], [[1, 20.0], [8, 30.0]], [[1, 30.0], [8, 44.0]]
+    lat = Latency.from_calibration(M, {"target": short, "context": 256,
+                                       "target_at": [[2048, long], [1024, mid]]})
+    for ctx, want in [(1, short), (256, short), (640, [[1, 15.0], [8, 22.0]]), (1024, mid),
+                      (1536, [[1, 25.0], [8, 37.0]]), (2048, long), (3072, [[1, 40.0], [8, 58.0]])]:
+        c = lat.target_for(ctx)
+        for s, ms in want:
+            assert c(s) == pytest.approx(ms), (ctx, s)
+    assert lat.target_for(1024)(4) == pytest.approx(interp(mid, 4))  # rows in between: each curve's own shape
+    assert lat.target_for(1024)(16) == pytest.approx(60.0)  # beyond the last row measured: proportional to S
+    falls = Latency.from_calibration(M, {"target": short, "context": 256,
+                                         "target_at": [[1024, [[1, 9.0], [8, 20.0]]]]})
+    assert falls.target_for(1024)(1) == 9.0 and falls.target_for(4096)(1) == 9.0  # never extrapolated downward
+    assert falls.target_for(4096)(8) == pytest.approx(14.0 + 6.0 * (4096 - 256) / 768)
+    for cal in ({"target": short, "context": 256}, {"target": short}):
+        one = Latency.from_calibration(M, cal)
+        assert one.target_for(8000) is one.target
+
+
+@pytest.mark.parametrize("latency,needle", [
+    ({"target_at": [[1024, [[1, 20.0]]]]}, "needs the target curve and the context"),
+    ({"target": [[1, 10.0]], "target_at": [[1024, [[1, 20.0]]]]}, "needs the target curve and the context"),
+    ({"target": [[1, 10.0]], "context": 0}, "context must be a whole number"),
+    ({"target": [[1, 10.0]], "context": True}, "context must be a whole number"),
+    ({"target": [[1, 10.0]], "context": 256, "target_at": {"1024": [[1, 20.0]]}}, "target_at: \\[\\[context"),
+    ({"target": [[1, 10.0]], "context": 256, "target_at": [[1024]]}, "target_at: \\[\\[context"),
+    ({"target": [[1, 10.0]], "context": 256, "target_at": [[1024, [[1, -2.0]]]]}, "target_at\\[1024\\]"),
+    ({"target": [[1, 10.0]], "context": 256, "target_at": [[256, [[1, 20.0]]]]}, "distinct whole contexts"),
+    ({"target": [[1, 10.0]], "context": 256, "target_at": [["1024", [[1, 20.0]]]]}, "distinct whole contexts"),
+])
+def test_latency_by_context_is_checked(latency, needle):
+    with pytest.raises(ValueError, match=needle):
+        Latency.from_calibration(M, latency)
+
+
+def test_plans_are_priced_at_their_own_context():
+    """With curves measured at two contexts the planner prices each plan at the context it is made for: tokens/s
+    falls as the context grows, and a verify row's growing share moves the choice."""
+    st = {"lookup": AcceptanceStats(0.5, draft_rate=1.0)}
+    flat_rows = [[1, 10.0], [2, 10.2], [16, 13.0], [64, 30.0]]  # short context: extra rows nearly free
+    dear_rows = [[1, 40.0], [2, 52.0], [16, 220.0], [64, 800.0]]  # long context: each row reads the whole cache
+    cal = {"latency": {"target": flat_rows, "context": 256, "target_at": [[4000, dear_rows]], "lookup_ms": 0.0}}
+    short = plan(None, M, 256, st, budget_mb=10_000, calibration=cal, drafters=("none", "lookup"))
+    long = plan(None, M, 4000, st, budget_mb=10_000, calibration=cal, drafters=("none", "lookup"))
+    assert short.tokens_per_s > 2 * long.tokens_per_s
+    assert long.nodes < short.nodes and long.tokens_per_s == pytest.approx(
+        max(1000 * (1 + sum(0.5 ** d for d in range(1, k + 1))) / interp(dear_rows, k + 1) for k in range(1, 17)))
+    same = {"latency": {"target": flat_rows, "lookup_ms": 0.0}}  # one context: priced alike at any context
+    assert plan(None, M, 4000, st, budget_mb=10_000, calibration=same, drafters=("none", "lookup")).nodes == short.nodes
+
+
 # ------------------------------------------------------------------------------------------- brute force
 def brute_force_chains(ctx, budget_mb, st):
     """Every drafter x K in 1..16 as chains, scored with formulas written out here; → (drafter, K, tok/s)."""

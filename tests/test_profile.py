@@ -55,7 +55,7 @@ def calibration(tmp_path, accept: float, name: str = "cal.json", baseline_mb: fl
 def test_edge_profile_end_to_end_writes_calibration_json_and_pngs(tiny_dir, prompts, tmp_path):
     out = tmp_path / "prof"
     r = _run(["edge.profile", str(prompts), "--model", str(tiny_dir), "--out", str(out), "--sizes", "1,2,4",
-              "--latency-reps", "1", "--latency-context", "16", "--prompts-per-category", "1", "--max-tokens", "8",
+              "--latency-reps", "1", "--latency-contexts", "16", "--prompts-per-category", "1", "--max-tokens", "8",
               "--accept-k", "4", "--sweep-ks", "1,4", "--sweep-drafters", "lookup", "--sweep-prompts", "1",
               "--reps", "1", "--contexts", "24,96", "--mem-ks", "0,4", "--specmemo-context", "24", "--quiet"])
     assert r.returncode == 0, r.stderr[-3000:]
@@ -125,7 +125,7 @@ def test_edge_profile_cut_short_writes_this_runs_steps_and_installs_nothing(tiny
             out.mkdir()
             (out / "calibration.json").write_bytes(calibration(tmp_path, 0.9).read_bytes())
         assert profile.main([str(prompts), "--model", str(tiny_dir), "--out", str(out), "--steps", "latency,acceptance",
-                             "--sizes", "1,2", "--latency-reps", "1", "--latency-context", "16", "--install",
+                             "--sizes", "1,2", "--latency-reps", "1", "--latency-contexts", "16", "--install",
                              "--quiet"]) == rc
         err = capsys.readouterr().err
         assert said in err and "not installed" in err, err
@@ -155,7 +155,7 @@ def test_edge_profile_a_run_of_some_steps_keeps_the_other_sections(tiny_dir, pro
 
     out = tmp_path / "prof"
     small = ["--model", str(tiny_dir), "--out", str(out), "--quiet", "--sizes", "1,2", "--latency-reps", "1",
-             "--latency-context", "16", "--max-tokens", "4", "--accept-k", "2"]
+             "--latency-contexts", "16", "--max-tokens", "4", "--accept-k", "2"]
     assert profile.main([str(prompts), *small, "--steps", "latency"]) == 0
     first = load_calibration(out / "calibration.json")
     assert profile.main([str(prompts), *small, "--steps", "acceptance"]) == 0
@@ -170,6 +170,29 @@ def test_edge_profile_a_run_of_some_steps_keeps_the_other_sections(tiny_dir, pro
     assert profile.main([str(prompts), *small, "--steps", "latency"]) == 0
     assert "acceptance" not in load_calibration(out / "calibration.json")
     capsys.readouterr()
+
+
+def test_edge_profile_measures_the_target_at_each_latency_context(tiny_dir, prompts, tmp_path, capsys):
+    """The target's curve at every --latency-contexts value that fits (the planner interpolates between them), the
+    drafters' at the first; a context with no room for a call is named and skipped, not a traceback."""
+    from edge import profile
+    from edge.manifest import load_manifest
+    from memory.planner import Latency
+
+    out = tmp_path / "prof"
+    capsys.readouterr()
+    assert profile.main([str(prompts), "--model", str(tiny_dir), "--out", str(out), "--quiet", "--steps", "latency",
+                         "--sizes", "1,2", "--latency-reps", "1", "--latency-contexts", "40,16,100000,16"]) == 0
+    assert "skipping --latency-contexts [100000]" in capsys.readouterr().err
+    lat = load_calibration(out / "calibration.json")["latency"]
+    assert lat["context"] == 40 and [c for c, _ in lat["target_at"]] == [16]
+    assert [s for s, _ in lat["target"]] == [s for s, _ in lat["target_at"][0][1]] == [1, 2]
+    assert set(lat["drafters"]) == {g.name for g in load_manifest(tiny_dir, verify="none").drafters}
+    curve = Latency.from_calibration(load_manifest(tiny_dir, verify="none"), lat)
+    assert curve.target_for(16)(1) == lat["target_at"][0][1][0][1] and curve.target_for(40)(1) == lat["target"][0][1]
+    assert profile.main([str(prompts), "--model", str(tiny_dir), "--out", str(out), "--quiet", "--steps", "latency",
+                         "--sizes", "1", "--latency-contexts", "100000"]) == 2
+    assert "no --latency-contexts value leaves room" in capsys.readouterr().err
 
 
 def test_each_drafter_measures_acceptance_from_the_same_state(tiny_dir, prompts, monkeypatch):
