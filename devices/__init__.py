@@ -196,31 +196,39 @@ def available_providers() -> list[str]:
 
 
 def cgroup_memory() -> tuple[int, int] | None:
-    """(limit, working set) in bytes of the memory cgroup this process runs in (a container's or a systemd
-    slice's limit, which psutil's RAM figures do not see), or None where there is no limit. The working set is the
-    usage less the inactive page cache the kernel reclaims first (as docker and the kubelet count it)."""
+    """(limit, working set) in bytes of the memory cgroup that leaves this process the least room: its own (a
+    container's, a systemd scope's) or any cgroup above it (a slice's limit binds every scope inside it), which
+    psutil's RAM figures do not see; None where none has a limit. The working set is the usage less the inactive
+    page cache the kernel reclaims first (as docker and the kubelet count it)."""
     try:
-        own = {line.split(":", 2)[1]: line.split(":", 2)[2].strip().lstrip("/")
+        own = {line.split(":", 2)[1]: line.split(":", 2)[2].strip().strip("/")
                for line in PROC_SELF_CGROUP.read_text().splitlines() if line.count(":") >= 2}
     except OSError:
         own = {}
     layouts = (("", own.get(""), "memory.max", "memory.current", "inactive_file"),  # v2
                ("memory", own.get("memory"), "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
     for sub, path, limit_file, usage_file, inactive in layouts:
-        for d in ([CGROUP_ROOT / sub / path] if path else []) + [CGROUP_ROOT / sub]:  # its own cgroup, else the root
+        parts = path.split("/") if path else []
+        found, tightest = False, None
+        for depth in range(len(parts), -1, -1):  # its own cgroup, each one above it, the root
+            d = CGROUP_ROOT / sub / "/".join(parts[:depth])
             try:
                 limit = (d / limit_file).read_text().strip()
                 usage = int((d / usage_file).read_text().strip())
             except (OSError, ValueError):
                 continue
+            found = True
             if limit == "max" or not limit.isdigit() or int(limit) >= 1 << 60:  # v1 writes "no limit" as ~2^63
-                return None
+                continue
             try:
                 stat = dict(line.split() for line in (d / "memory.stat").read_text().splitlines() if " " in line)
                 usage -= min(int(stat.get(inactive, 0)), usage)
             except (OSError, ValueError):
                 pass
-            return int(limit), usage
+            if tightest is None or int(limit) - usage < tightest[0] - tightest[1]:
+                tightest = (int(limit), usage)
+        if found:
+            return tightest
     return None
 
 

@@ -79,6 +79,14 @@ GIB, USED, CACHE = "1073741824", "805306368", "536870912"  # 1 GiB limit, 768 Mi
     ("0::/\n", {"memory.max": GIB, "memory.current": USED, "memory.stat": f"anon 1\ninactive_file {CACHE}\n"},
      768),  # the inactive page cache is reclaimed first: not counted as used
     ("0::/app.slice\n", {"app.slice/memory.max": GIB, "app.slice/memory.current": USED}, 256),  # its own cgroup
+    # a limit set on the slice binds the scope inside it: the scope's own room (2 GiB, nothing used) is not all
+    ("0::/user.slice/u.slice/s.scope\n", {"user.slice/u.slice/s.scope/memory.max": str(2 * int(GIB)),
+                                           "user.slice/u.slice/s.scope/memory.current": "0",
+                                           "user.slice/u.slice/memory.max": "max",
+                                           "user.slice/u.slice/memory.current": USED,
+                                           "user.slice/memory.max": GIB, "user.slice/memory.current": USED}, 256),
+    ("0::/a/b\n", {"a/b/memory.max": "max", "a/b/memory.current": "1", "a/memory.max": "max",
+                   "a/memory.current": "1"}, None),  # no limit anywhere above it either
     ("4:memory:/\n", {"memory/memory.limit_in_bytes": GIB, "memory/memory.usage_in_bytes": USED,
                       "memory/memory.stat": f"total_inactive_file {CACHE}\n"}, 768),  # v1
     ("0::/\n", {"memory.max": "max\n", "memory.current": USED}, None),
