@@ -311,7 +311,10 @@ class Engine:
         self.token_acceptance = TokenAcceptance({**{k: a for k, (a, _) in DEFAULT_PRIORS.items()},
                                                  **MEASURED_TOKEN_PRIORS})
         self._unverified: list[Draft] = []  # this step's candidate chains that were not verified
-        self._call_ms: dict[int, float] = {}
+        # call time by width, per context bucket (the cached length's bit length): a wide call's cost grows with the
+        # cache each row reads, and a width timed in a long chat would otherwise price the next short one
+        self._calls_at: dict[int, dict[int, float]] = {}
+        self._call_ms: dict[int, float] = {}  # the current bucket's
         self.head_hits = self.head_misses = 0  # sampled rows whose p came from the on-graph head / from the logits
         self._curve = None
         self._draft_ms = 0.0  # model drafter: ms per drafted token (EMA)
@@ -395,14 +398,24 @@ class Engine:
         return kind, n
 
     def _verify_ms(self, s: int) -> float:
-        """Measured mean call time at width s, else the export's measured curve (or the default one) scaled to the
-        narrowest call measured here."""
-        if s in self._call_ms:
-            return self._call_ms[s]
-        t1 = self._call_ms.get(self.target.min_call) or self.manifest.target.stats.get("latency_ms_s1") or 9.0
-        if self._curve is None or self._curve[0] != t1:
-            self._curve = (t1, LatencyCurve.scaled(t1, export_verify_shape(self.manifest.target.stats)))
-        return self._curve[1](s)
+        """Mean call time at width s measured at about this context, else the export's measured curve (or the
+        default one) scaled to the narrowest call measured at about this context (else to the export's one-row
+        time)."""
+        calls = self._call_ms
+        if s in calls:
+            return calls[s]
+        if self._curve is None:  # relative to one row
+            self._curve = LatencyCurve.scaled(1.0, export_verify_shape(self.manifest.target.stats))
+        if calls:
+            w = min(calls)
+            t1 = calls[w] / self._curve(w)
+        else:
+            t1 = self.manifest.target.stats.get("latency_ms_s1") or 9.0
+        return t1 * self._curve(s)
+
+    def call_widths(self) -> set[int]:
+        """Widths of the decode calls this engine has timed, at any context."""
+        return {w for calls in self._calls_at.values() for w in calls}
 
     def _stats(self, kind: str) -> AcceptanceStats:
         st = self.acceptance.get(kind)
@@ -759,6 +772,7 @@ class Engine:
                 sent = max(sent, safe)
 
                 # ---- one speculative step: draft, verify in one target call, commit, update the drafter
+                self._call_ms = self._calls_at.setdefault(self.target.cache.length.bit_length(), {})
                 free = d_chain and p.draft_len is None and kind in ("lookup", "recycling", "hybrid")
                 k_step = k if p.draft_len is not None or not d_chain or free else self._choose_k(kind, k)
                 if k_step == 0 and kind != "none" and k > 0:

@@ -492,6 +492,23 @@ def test_unmeasured_call_widths_follow_the_exports_latency_curve(tiny_dir):
     assert e._verify_ms(16) == pytest.approx(LatencyCurve.scaled(10.0, DEFAULT_VERIFY_SHAPE)(16))
 
 
+def test_call_times_are_kept_per_context(tiny_dir):
+    """A wide call's time grows with the cache each row reads. Widths timed in a long chat priced the next short
+    one: measured here, after two long-context prompts the 4-10-row calls kept their 150-210 ms while one row cost
+    28 ms at the new short context, and the adaptive length never chose those widths again to re-time them."""
+    e = edge.load(tiny_dir, drafter="none", context=256)
+    long_prompt = " ".join(f"item {i}" for i in range(30))
+    e.generate(long_prompt, raw=True, max_tokens=3)
+    assert e._call_ms and e._verify_ms(9) < 1e6
+    e._call_ms[9] = 1e6  # as if a 9-row call had been this slow at that context
+    e.reset()
+    e.generate("hi", raw=True, max_tokens=3)
+    assert e._verify_ms(9) < 1e6  # priced from what was timed at this context
+    e.generate(long_prompt, raw=True, max_tokens=3)
+    assert e._verify_ms(9) == 1e6  # back at the long context: its own measurement
+    assert 9 in e.call_widths() and len(e._calls_at) >= 2
+
+
 @pytest.fixture(scope="module")
 def chains_engine(tiny_dir):
     """The tiny (fp32) export driven as if its graph verified chains only, as every int8-activation graph does:

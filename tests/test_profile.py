@@ -458,9 +458,9 @@ def test_a_drafter_asked_by_name_drafts_as_long_as_asked_when_it_fits(tiny_dir, 
     prompt = "def add(a, b):"  # the tiny model's answer repeats one token: lookup drafts it as long as allowed
     free = edge.load(tiny_dir, context=256)
     free.generate(prompt, max_tokens=150, drafter="lookup", draft_len=40)
-    assert max(free._call_ms) > 17  # without a plan the call is this wide
+    assert max(free.call_widths()) > 17  # without a plan the call is this wide
     e.generate(prompt, max_tokens=150, drafter="lookup", draft_len=40)
-    assert max(e._call_ms) == max(free._call_ms)
+    assert max(e.call_widths()) == max(free.call_widths())
 
 
 def test_replanning_follows_acceptance_both_ways_and_reset_plans_afresh(tiny_dir, tmp_path):
