@@ -112,12 +112,12 @@ class LatencyCurve:
 
 @dataclass(frozen=True)
 class Latency:
-    target: LatencyCurve  # measured at `context` cached tokens (None: at one unrecorded context)
+    target: LatencyCurve
     drafters: Mapping[str, LatencyCurve] = field(default_factory=dict)  # model drafter graph name → curve
     lookup_ms: float = DEFAULT_LOOKUP_MS
     recycling_ms: float = DEFAULT_RECYCLING_MS
     overhead_ms: float = 0.0  # per step, outside the model calls (the engine's Python)
-    context: int | None = None
+    context: int | None = None  # cached tokens the curves above were measured at (None: not recorded)
     target_at: tuple[tuple[int, LatencyCurve], ...] = ()  # the target's curve at further contexts
 
     def target_for(self, context: int) -> LatencyCurve:
