@@ -288,6 +288,7 @@ class RecyclingDrafter:
         self.prior_counts = np.array([8.0, 2.5, 1.2, 0.7, 0.5, 0.35, 0.25, 0.2][:k] + [0.1] * max(0, k - 8))
         self.misses = 8.0
         self._since_regrow = 0  # accepted steps since the templates were last re-grown from the priors
+        self._drafted_row: list[int] | None = None  # the root's candidates as the last tree draft read them
         self.nodes = nodes
         self._templates: dict[int, list] = {}
         self.root: int | None = None
@@ -326,6 +327,7 @@ class RecyclingDrafter:
     def begin(self, context) -> None:
         self.root = int(context[-1])
         self.prev = int(context[-2]) if len(context) >= 2 else None
+        self._drafted_row = None  # a draft an interrupted answer never verified
 
     def observe(self, tokens, top_ids, parents=None, before: int | None = None) -> None:
         """tokens [S] of a verify call (tokens[0] = the root), top_ids [S, >=k] the target's candidates after each;
@@ -371,6 +373,7 @@ class RecyclingDrafter:
             return Draft.empty()
         if self.chains_only:
             return self._chain(budget)
+        self._drafted_row = self.adj[self.root].tolist()  # the verify call's observe() overwrites the row
         toks, parents, node_tok = [], [], []
         where = {}  # template node → draft index
         for i, (parent, rank) in enumerate(self.template(budget)):
@@ -386,10 +389,10 @@ class RecyclingDrafter:
         return Draft(np.asarray(toks, np.int64), np.asarray(parents, np.int64), source="recycling")
 
     def accept(self, tokens) -> None:
-        # adapt the per-rank priors: where in the root's candidate row did the target's next token sit? (plain
-        # Python on the row: this runs every step, where each numpy call costs tens of µs)
-        if self.root is not None and self.seen[self.root]:
-            row = self.adj[self.root].tolist()
+        # adapt the tree template's per-rank priors: where in the root's candidate row, as the draft read it, did
+        # the target's next token sit? (Read after the verify call, the row is that call's own top-k: rank 0.)
+        row, self._drafted_row = self._drafted_row, None
+        if row is not None:
             tok = int(tokens[0])
             if tok in row:
                 self.prior_counts[row.index(tok)] += 1
@@ -440,7 +443,7 @@ class HybridDrafter:
             paths.append(path)
             if path in index or paths[p] not in index and p != 0:
                 continue
-            if len(toks) >= len(chain) + budget:
+            if len(toks) >= budget:
                 break
             index[path] = len(toks) + 1
             toks.append(t)

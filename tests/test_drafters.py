@@ -73,24 +73,31 @@ def test_recycling_drafts_from_observed_candidates_and_is_bounded():
 
 
 def test_recycling_accept_counts_where_the_next_token_sat():
-    """Each step moves the rank prior: +1 at the rank of the root's row that held the target's next token, a miss
-    when none did; the tree templates are re-grown from the priors every 64 steps."""
+    """Each step that drafted a tree moves the rank prior: +1 at the rank of the root's row (as the draft read it)
+    that held the target's next token, a miss when none did; the tree templates are re-grown from the priors every
+    64 such steps. A step without a tree draft teaches nothing."""
     d = RecyclingDrafter(100, k=4)
     d.observe([1, 2], np.array([[2, 5, 6, 7], [3, 8, 9, 10]]))
     before, misses = d.prior_counts.copy(), d.misses
     d.begin([0, 1])
+    d.draft(4)
     d.accept([6, 3])  # rank 2 of root 1's row
     assert np.allclose(d.prior_counts - before, [0, 0, 1, 0]) and d.misses == misses
     d.begin([0, 1])
+    d.draft(4)
     d.accept([99])  # not in the row
     assert np.allclose(d.prior_counts - before, [0, 0, 1, 0]) and d.misses == misses + 1
     d.begin([0, 50])
-    d.accept([3])  # root 50 was never observed: nothing to learn
+    d.draft(4)
+    d.accept([3])  # root 50 was never observed: nothing drafted, nothing to learn
+    d.begin([0, 1])
+    d.accept([2])  # no draft this step
     assert np.allclose(d.prior_counts - before, [0, 0, 1, 0]) and d.misses == misses + 1
     d.template(4)
     for _ in range(62):  # 64 counted steps in all
         d.begin([0, 1])
         assert d._templates
+        d.draft(4)
         d.accept([2])
     assert not d._templates
 
