@@ -110,6 +110,15 @@ class LatencyCurve:
         return tl * s / sl
 
 
+def _monotone(curve: LatencyCurve) -> LatencyCurve:
+    """`curve` with each point raised to the most expensive narrower one: noise in measured medians must not make
+    a wider call look cheaper (the planner would buy it)."""
+    ms = np.maximum.accumulate([t for _, t in curve.points])
+    if all(t == m for (_, t), m in zip(curve.points, ms)):
+        return curve
+    return LatencyCurve(tuple((s, float(m)) for (s, _), m in zip(curve.points, ms)))
+
+
 @dataclass(frozen=True)
 class Latency:
     target: LatencyCurve
@@ -122,22 +131,22 @@ class Latency:
 
     def target_for(self, context: int) -> LatencyCurve:
         """The target's curve at `context` cached tokens: linear in the context between measured contexts (each
-        row attends to every cached token), extended beyond the last two at their slope (never downward), flat
-        below the first. One measured context: the same curve at any context."""
+        row attends to every cached token); beyond the last, that curve plus the growth per token between the first
+        and the last (their spread keeps two noisy medians from setting the slope; never downward); below the
+        first, the first. Never cheaper for more rows. One measured context: the same curve at any context."""
         pts = sorted(((self.context, self.target), *self.target_at), key=lambda p: p[0]) \
             if self.context is not None else []
         if len(pts) < 2 or context <= pts[0][0]:
-            return pts[0][1] if pts else self.target
-        for (c0, k0), (c1, k1) in zip(pts, pts[1:]):
-            if context <= c1:
-                break
+            return _monotone(pts[0][1] if pts else self.target)
+        (c0, k0), (c1, k1) = next(((a, b) for a, b in zip(pts, pts[1:]) if context <= b[0]), (pts[0], pts[-1]))
         w = (context - c0) / (c1 - c0)  # > 1 beyond the last measured context
 
         def ms_at(s: int) -> float:
             grow = k1(s) - k0(s)
             return k1(s) + (w - 1) * max(grow, 0.0) if w > 1 else k0(s) + w * grow
 
-        return LatencyCurve(tuple((s, ms_at(s)) for s in sorted({s for s, _ in k0.points + k1.points})))
+        rows = sorted({s for s, _ in k0.points + k1.points})
+        return _monotone(LatencyCurve(tuple(zip(rows, map(ms_at, rows)))))
 
     @classmethod
     def from_calibration(cls, manifest, d: Mapping[str, Any] | None = None) -> "Latency":
@@ -180,13 +189,13 @@ class Latency:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"latency {k} must be a finite number of ms >= 0 (got {v!r})")
             ms[k] = float(v)
-        context, at = d.get("context"), d.get("target_at") or []
+        context, at = d.get("context"), d.get("target_at", [])
         if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
             raise ValueError(f"latency context must be a whole number of cached tokens >= 1 (got {context!r})")
-        if at and (context is None or not t):
-            raise ValueError("latency target_at needs the target curve and the context it was measured at")
         if not isinstance(at, list) or not all(isinstance(p, list) and len(p) == 2 for p in at):
             raise ValueError(f"latency target_at: [[context, [[S, ms], ...]], ...] (got {at!r:.80})")
+        if at and (context is None or not t):
+            raise ValueError("latency target_at needs the target curve and the context it was measured at")
         at = tuple((c, curve(v, f"target_at[{c!r}]")) for c, v in at)
         cs = [c for c, _ in at]
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cs) \

@@ -67,13 +67,15 @@ def test_export_measured_curve_shapes_the_default():
 
 
 def test_latency_grows_with_the_context_between_measured_contexts():
-    """Curves measured at several contexts: linear in the context between them, extended at the last two's slope
-    (never downward), flat below the first; one context (or none recorded): the same curve at any context."""
+    """Curves measured at several contexts: linear in the context between them, extended past the last at the
+    growth per token between the first and the last (never downward), flat below the first; one context (or none
+    recorded): the same curve at any context."""
     short, mid, long = [[1, 10.0], [8, 14.0]], [[1, 20.0], [8, 30.0]], [[1, 30.0], [8, 44.0]]
     lat = Latency.from_calibration(M, {"target": short, "context": 256,
                                        "target_at": [[2048, long], [1024, mid]]})
     for ctx, want in [(1, short), (256, short), (640, [[1, 15.0], [8, 22.0]]), (1024, mid),
-                      (1536, [[1, 25.0], [8, 37.0]]), (2048, long), (3072, [[1, 40.0], [8, 58.0]])]:
+                      (1536, [[1, 25.0], [8, 37.0]]), (2048, long),
+                      (3072, [[1, 30.0 + 1024 * 20 / 1792], [8, 44.0 + 1024 * 30 / 1792]])]:
         c = lat.target_for(ctx)
         for s, ms in want:
             assert c(s) == pytest.approx(ms), (ctx, s)
@@ -88,6 +90,20 @@ def test_latency_grows_with_the_context_between_measured_contexts():
         assert one.target_for(8000) is one.target
 
 
+def test_latency_by_context_never_prices_a_wider_call_cheaper():
+    """Measured medians are noisy (±20% here): one 8-row median at 2,048 tokens 13% low made the extrapolated curve
+    at 4,096 price 8 rows below 4 (the difference of two noisy curves, magnified), and the planner bought them."""
+    c256 = [[1, 16.0], [4, 21.4], [8, 30.8], [16, 45.8]]
+    c1024 = [[1, 20.9], [4, 27.0], [8, 40.9], [16, 62.4]]
+    c2048 = [[1, 31.9], [4, 47.5], [8, 52.0], [16, 85.6]]
+    lat = Latency.from_calibration(M, {"target": c256, "context": 256, "target_at": [[1024, c1024], [2048, c2048]]})
+    for ctx in (100, 700, 2048, 4096, 8192):
+        c = lat.target_for(ctx)
+        assert all(c(s) <= c(s + 1) for s in range(1, 40)), ctx
+    noisy = Latency.from_calibration(M, {"target": [[1, 10.0], [2, 9.0], [4, 12.0]]})
+    assert [noisy.target_for(256)(s) for s in (1, 2, 3, 4)] == [10.0, 10.0, 11.0, 12.0]
+
+
 @pytest.mark.parametrize("latency,needle", [
     ({"target_at": [[1024, [[1, 20.0]]]]}, "needs the target curve and the context"),
     ({"target": [[1, 10.0]], "target_at": [[1024, [[1, 20.0]]]]}, "needs the target curve and the context"),
@@ -95,6 +111,7 @@ def test_latency_grows_with_the_context_between_measured_contexts():
     ({"target": [[1, 10.0]], "context": True}, "context must be a whole number"),
     ({"target": [[1, 10.0]], "context": 256, "target_at": {"1024": [[1, 20.0]]}}, "target_at: \\[\\[context"),
     ({"target": [[1, 10.0]], "context": 256, "target_at": [[1024]]}, "target_at: \\[\\[context"),
+    ({"target": [[1, 10.0]], "context": 256, "target_at": {}}, "target_at: \\[\\[context"),
     ({"target": [[1, 10.0]], "context": 256, "target_at": [[1024, [[1, -2.0]]]]}, "target_at\\[1024\\]"),
     ({"target": [[1, 10.0]], "context": 256, "target_at": [[256, [[1, 20.0]]]]}, "distinct whole contexts"),
     ({"target": [[1, 10.0]], "context": 256, "target_at": [["1024", [[1, 20.0]]]]}, "distinct whole contexts"),
