@@ -196,10 +196,11 @@ def available_providers() -> list[str]:
 
 
 def cgroup_memory() -> tuple[int, int] | None:
-    """(limit, working set) in bytes of the memory cgroup that leaves this process the least room: its own (a
-    container's, a systemd scope's) or any cgroup above it (a slice's limit binds every scope inside it), which
-    psutil's RAM figures do not see; None where none has a limit. The working set is the usage less the inactive
-    page cache the kernel reclaims first (as docker and the kubelet count it)."""
+    """(limit, room) in bytes over this process's memory cgroup and every cgroup above it (a container's, a
+    systemd scope's, the slice around it: each limit binds everything inside it), which psutil's RAM figures do
+    not see: the smallest limit and the least room left under any of them; None where none has a limit. Room is
+    the limit less the working set: the usage less the inactive page cache the kernel reclaims first (as docker and
+    the kubelet count it)."""
     try:
         own = {line.split(":", 2)[1]: line.split(":", 2)[2].strip().strip("/")
                for line in PROC_SELF_CGROUP.read_text().splitlines() if line.count(":") >= 2}
@@ -209,7 +210,7 @@ def cgroup_memory() -> tuple[int, int] | None:
                ("memory", own.get("memory"), "memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
     for sub, path, limit_file, usage_file, inactive in layouts:
         parts = path.split("/") if path else []
-        found, tightest = False, None
+        found, limits, rooms = False, [], []
         for depth in range(len(parts), -1, -1):  # its own cgroup, each one above it, the root
             d = CGROUP_ROOT / sub / "/".join(parts[:depth])
             try:
@@ -225,10 +226,10 @@ def cgroup_memory() -> tuple[int, int] | None:
                 usage -= min(int(stat.get(inactive, 0)), usage)
             except (OSError, ValueError):
                 pass
-            if tightest is None or int(limit) - usage < tightest[0] - tightest[1]:
-                tightest = (int(limit), usage)
+            limits.append(int(limit))
+            rooms.append(max(int(limit) - usage, 0))
         if found:
-            return tightest
+            return (min(limits), min(rooms)) if limits else None
     return None
 
 
@@ -242,7 +243,7 @@ def detect_host(providers: list[str] | None = None) -> DeviceProfile:
     cg = cgroup_memory()
     if cg is not None:  # a container: what the machine has free is not what this process may use
         total_mb = min(total_mb, cg[0] >> 20)
-        avail_mb = min(avail_mb, max(cg[0] - cg[1], 0) >> 20)
+        avail_mb = min(avail_mb, cg[1] >> 20)
     cores = psutil.cpu_count(logical=False) or psutil.cpu_count() or 1
     installed = tuple(providers if providers is not None else available_providers())
     return DeviceProfile(

@@ -85,6 +85,10 @@ GIB, USED, CACHE = "1073741824", "805306368", "536870912"  # 1 GiB limit, 768 Mi
                                            "user.slice/u.slice/memory.max": "max",
                                            "user.slice/u.slice/memory.current": USED,
                                            "user.slice/memory.max": GIB, "user.slice/memory.current": USED}, 256),
+    # the other way round: its own limit is the smaller one (the machine's size to it), the slice has less room
+    ("0::/s.slice/a.scope\n", {"s.slice/a.scope/memory.max": GIB, "s.slice/a.scope/memory.current": "0",
+                               "s.slice/memory.max": str(8 * int(GIB)),
+                               "s.slice/memory.current": str(8 * int(GIB) - 512 * 2**20)}, 512),
     ("0::/a/b\n", {"a/b/memory.max": "max", "a/b/memory.current": "1", "a/memory.max": "max",
                    "a/memory.current": "1"}, None),  # no limit anywhere above it either
     ("4:memory:/\n", {"memory/memory.limit_in_bytes": GIB, "memory/memory.usage_in_bytes": USED,
