@@ -429,8 +429,8 @@ class HybridDrafter:
 
     def draft(self, budget: int) -> Draft:
         chain = self.lookup.draft(min(self.lookup_len, budget))
-        if len(chain) and self.recycling.chains_only:
-            return chain  # the target verifies chains only: the retrieved span wins when there is one
+        if (len(chain) and self.recycling.chains_only) or len(chain) >= budget:
+            return chain  # chains only: the retrieved span wins when there is one; or it fills the budget alone
         tree = self.recycling.draft(budget)
         if not len(chain):
             return tree

@@ -92,9 +92,19 @@ def test_recycling_accept_counts_where_the_next_token_sat():
     d.accept([3])  # root 50 was never observed: nothing drafted, nothing to learn
     d.begin([0, 1])
     d.accept([2])  # no draft this step
-    assert np.allclose(d.prior_counts - before, [0, 0, 1, 0]) and d.misses == misses + 1
+    d.begin([0, 1])
+    d.draft(4)
+    d.begin([0, 1])  # that draft was never verified (an interrupted answer): a new request starts
+    d.accept([5])
+    d.begin([0, 2])
+    d.observe([1, 2], np.array([[2, 5, 6, 7], [3, 8, 9, 10]]))
+    d.draft(4)
+    d.accept([3, 20])  # rank 0 of root 2's row; the next root, 20, was never observed:
+    d.draft(4)  # nothing drafted, so the next step teaches nothing (not against root 2's row)
+    d.accept([9])
+    assert np.allclose(d.prior_counts - before, [1, 0, 1, 0]) and d.misses == misses + 1
     d.template(4)
-    for _ in range(62):  # 64 counted steps in all
+    for _ in range(61):  # 64 counted steps in all
         d.begin([0, 1])
         assert d._templates
         d.draft(4)
