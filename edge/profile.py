@@ -461,7 +461,8 @@ def main(argv=None) -> int:
     sweep_drafters = a.sweep_drafters
     n_configs = 3 + len(sweep_drafters) * len(sweep_ks)
     total = (("chat" in steps)
-             + ("latency" in steps) * len(sizes) * (len(lat_contexts) + len(m.drafters))
+             + ("latency" in steps) * sum(len([s for s in sizes if s + c <= engine.context])
+                                          for c in lat_contexts + lat_contexts[:1] * len(m.drafters))
              + ("acceptance" in steps) * len(items) * len(chain_kinds(engine))
              + ("speed" in steps) * a.reps * len(sweep_items) * n_configs
              + ("memory" in steps) * (len(contexts) * len(mem_ks) + (2 if a.specmemo_context else 0)))

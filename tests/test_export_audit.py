@@ -201,7 +201,8 @@ def test_drafter_id_map_is_the_targets_most_frequent_calibration_tokens(exported
     np.testing.assert_array_equal(np.load(d / g.id_map), want)
 
 
-def test_drafter_stats_are_what_its_graph_scores_on_the_held_out_text(exported_llama, tiny_llama, recomputed):
+def test_drafter_stats_are_what_its_graph_scores_on_the_held_out_text(exported_llama, tiny_llama, recomputed,
+                                                                        tmp_path):
     """top1_agreement (the shipped graph, adapter included), top1_agreement_raw (the plain early exit),
     vocab_coverage and held_out_positions: recomputed over the positions the target generated."""
     d, m = exported_llama
@@ -215,8 +216,7 @@ def test_drafter_stats_are_what_its_graph_scores_on_the_held_out_text(exported_l
         hits = np.concatenate([(id_map[dr.logits(t).argmax(-1)] == tgt)[s] for t, tgt, s in zip(texts, tgts, scored)])
         return round(float(hits.mean()), 4)
 
-    raw_path = d.parent / "h2_raw_drafter" / "model.onnx"
-    raw_path.parent.mkdir(exist_ok=True)
+    raw_path = tmp_path / "model.onnx"
     save_model(build_graph(tiny_llama, GraphOptions(precision="fp32", layers=g.layers, max_len=g.max_len), id_map),
                str(raw_path))
     s = g.stats
