@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
                          "(default 1,2,3,4,6,8,12,16,24,32,48,65)")
     ap.add_argument("--latency-contexts", "--latency-context", type=_int_list(1), default="256,1024,2048",
                     help="cached tokens before the latency calls: the target's curve is measured at each (the planner "
-                         "interpolates between them), the drafters' at the first (default 256,1024,2048)")
+                         "interpolates between them and extends past the last), the drafters' at the first "
+                         "(default 256,1024,2048)")
     ap.add_argument("--latency-reps", type=positive_int, default=7,
                     help="calls per width of the latency curve; the median is kept (default 7)")
     ap.add_argument("--prompts-per-category", type=non_negative_int, default=1,
