@@ -143,7 +143,7 @@ class Latency:
 
         def ms_at(s: int) -> float:
             grow = k1(s) - k0(s)
-            return k1(s) + (w - 1) * max(grow, 0.0) if w > 1 else k0(s) + w * grow
+            return k1(s) + (w - 1) * max(grow, 0.0) if w > 1 else (1 - w) * k0(s) + w * k1(s)  # exact at c0, c1
 
         rows = sorted({s for s, _ in k0.points + k1.points})
         return _monotone(LatencyCurve(tuple(zip(rows, map(ms_at, rows)))))
