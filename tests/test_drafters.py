@@ -129,6 +129,18 @@ def test_recycling_chains_only_gives_a_chain():
     assert dr.is_chain and dr.tokens.tolist() == [2, 3, 4]
 
 
+def draft_paths(dr) -> list[tuple[int, ...]]:
+    """Each draft node's root-to-node path of tokens."""
+    out = []
+    for i in range(len(dr)):
+        path, j = [], i + 1
+        while j > 0:
+            path.append(int(dr.tokens[j - 1]))
+            j = int(dr.parents[j - 1])
+        out.append(tuple(reversed(path)))
+    return out
+
+
 def test_hybrid_merges_common_prefix():
     look = LookupDrafter()
     look.begin([1, 2, 3, 4, 1, 2])
@@ -137,13 +149,7 @@ def test_hybrid_merges_common_prefix():
     rec.begin([1, 2])
     h = HybridDrafter(look, rec, lookup_len=3)
     dr = h.draft(4)
-    paths = set()
-    for i in range(len(dr)):
-        path, j = [], i + 1
-        while j > 0:
-            path.append(int(dr.tokens[j - 1]))
-            j = int(dr.parents[j - 1])
-        paths.add(tuple(reversed(path)))
+    paths = set(draft_paths(dr))
     assert (3, 4, 1) in paths  # the retrieved chain
     assert len(paths) == len(dr)  # no duplicate root-to-node paths after the merge
     assert dr.tokens[:3].tolist() == [3, 4, 1]

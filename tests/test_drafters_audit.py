@@ -11,7 +11,8 @@ import pytest
 import edge
 from edge.drafters import HybridDrafter, LookupDrafter, ModelDrafter, RecyclingDrafter, tree_template
 from edge.kv import KVCache
-from edge.runner import probe_min_call
+from test_drafters import draft_paths as _paths
+from edge.runner import GraphSession, probe_min_call
 
 
 # ----------------------------------------------------------------------------- lookup
@@ -82,14 +83,7 @@ class _FakeSession:
         rows = np.array(rows)
         return rows if keep == 0 else rows[-keep:]
 
-    def prefill(self, tokens, chunk=512):
-        tokens = list(tokens)
-        last = None
-        for i in range(0, len(tokens), chunk):
-            part = tokens[i : i + chunk]
-            last = self.forward(part, keep=1)[-1]
-            self.cache.append(len(part))
-        return last
+    prefill = GraphSession.prefill  # the real chunked prefill over this forward and cache
 
 
 def _oracle(sess, ctx, n):
@@ -231,17 +225,6 @@ def test_hybrid_tree_keeps_recycling_alternatives_at_the_root():
     dr = HybridDrafter(look, rec, lookup_len=3).draft(4)
     root_kids = [int(t) for t, p in zip(dr.tokens, dr.parents) if p == 0]
     assert sorted(root_kids) == [3, 8]
-
-
-def _paths(dr):
-    out = []
-    for i in range(len(dr)):
-        path, j = [], i + 1
-        while j > 0:
-            path.append(int(dr.tokens[j - 1]))
-            j = int(dr.parents[j - 1])
-        out.append(tuple(reversed(path)))
-    return out
 
 
 def test_hybrid_tree_nodes_keep_their_recycling_parents():
