@@ -127,7 +127,7 @@ class Manifest:
     def from_dict(cls, d: dict) -> "Manifest":
         d = dict(d)
         d["graphs"] = tuple(GraphEntry(**_known(GraphEntry, g)) for g in d["graphs"])
-        d["files"] = tuple(FileEntry(**f) for f in d["files"])
+        d["files"] = tuple(FileEntry(**_known(FileEntry, f)) for f in d["files"])
         return cls(**_known(cls, d))
 
     def write(self, model_dir: str | os.PathLike) -> Path:
@@ -206,7 +206,7 @@ def load_manifest(model_dir: str | os.PathLike, verify: str = "size") -> Manifes
         )
     try:
         m = Manifest.from_dict(raw)
-    except (TypeError, KeyError) as e:
+    except (TypeError, KeyError, AttributeError) as e:  # AttributeError: an entry that is not an object
         raise ModelDirError(f"{path}: malformed manifest ({e}); {fix}") from e
     if verify != "none":
         for f in m.files:

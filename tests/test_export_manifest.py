@@ -77,6 +77,19 @@ def test_unknown_keys_are_ignored(model_copy):
     """A manifest from a newer exporter with the same format version may add fields."""
     edit_manifest(model_copy, future_field={"x": 1})
     assert load_manifest(model_copy).name
+    doc = json.loads((model_copy / MANIFEST_NAME).read_text())  # in every file entry too
+    for f in doc["files"]:
+        f["mode"] = "0644"
+    (model_copy / MANIFEST_NAME).write_text(json.dumps(doc))
+    assert load_manifest(model_copy).files
+
+
+@pytest.mark.parametrize("graphs", [["x"], [1], [None]])
+def test_a_graph_entry_that_is_not_an_object_is_a_clear_error(model_copy, graphs):
+    """It was an AttributeError traceback out of edge-chat."""
+    edit_manifest(model_copy, graphs=graphs)
+    with pytest.raises(ModelDirError, match="malformed manifest"):
+        load_manifest(model_copy, verify="none")
 
 
 # ----------------------------------------------------------------------------- load-time checks
