@@ -189,6 +189,11 @@ def call_latency(session, sizes: list[int], context: int, reps: int, prog=None) 
     return out
 
 
+def sizes_at(sizes: list[int], context: int, slots: int) -> list[int]:
+    """The call widths of `sizes` that fit beside `context` cached tokens in `slots` KV positions."""
+    return [s for s in sizes if s + context <= slots]
+
+
 def measure_latency(engine, sizes, contexts: list[int], reps, prog) -> dict:
     """The calibration's latency section: the target's curve at each of `contexts` (the first: "target" and
     "context"; the rest: "target_at"), each drafter graph's at the first."""
@@ -196,15 +201,14 @@ def measure_latency(engine, sizes, contexts: list[int], reps, prog) -> dict:
 
     m = engine.manifest
     context = contexts[0]
-    sizes = [s for s in sizes if s + context <= engine.context]
-    lat = {"target": call_latency(engine.target, sizes, context, reps, prog), "context": context, "drafters": {}}
-    at = [[c, call_latency(engine.target, [s for s in sizes if s + c <= engine.context], c, reps, prog)]
-          for c in contexts[1:]]
+    lat = {"target": call_latency(engine.target, sizes_at(sizes, context, engine.context), context, reps, prog),
+           "context": context, "drafters": {}}
+    at = [[c, call_latency(engine.target, sizes_at(sizes, c, engine.context), c, reps, prog)] for c in contexts[1:]]
     if at:
         lat["target_at"] = at
     for g in m.drafters:
         sess = GraphSession(str(engine.model_dir / g.file), m, g, engine.context, engine.threads, engine.providers)
-        lat["drafters"][g.name] = call_latency(sess, sizes, context, reps, prog)
+        lat["drafters"][g.name] = call_latency(sess, sizes_at(sizes, context, engine.context), context, reps, prog)
         del sess
     return lat
 
@@ -462,7 +466,7 @@ def main(argv=None) -> int:
     sweep_drafters = a.sweep_drafters
     n_configs = 3 + len(sweep_drafters) * len(sweep_ks)
     total = (("chat" in steps)
-             + ("latency" in steps) * sum(len([s for s in sizes if s + c <= engine.context])
+             + ("latency" in steps) * sum(len(sizes_at(sizes, c, engine.context))
                                           for c in lat_contexts + lat_contexts[:1] * len(m.drafters))
              + ("acceptance" in steps) * len(items) * len(chain_kinds(engine))
              + ("speed" in steps) * a.reps * len(sweep_items) * n_configs
