@@ -25,7 +25,7 @@ from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 from memory.acceptance import MEASURED_TOKEN_PRIORS, AcceptanceStats, TokenAcceptance
 from memory.footprint import PREFILL_CHUNK, drafter_graph
 from memory.planner import (DEFAULT_PRIORS, MAX_CHAIN, LatencyCurve, best_chain_length, best_prefix,
-                            export_verify_shape, fullest, plain_call_rows)
+                            export_verify_shape, fullest, plain_call_rows, stat_ms)
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .errors import EngineError  # re-exported: edge.EngineError, edge.engine.EngineError
@@ -410,7 +410,7 @@ class Engine:
             w = min(calls)
             t1 = calls[w] / self._curve(w)
         else:
-            t1 = self.manifest.target.stats.get("latency_ms_s1") or 9.0
+            t1 = stat_ms(self.manifest.target.stats, "latency_ms_s1") or 9.0
         return t1 * self._curve(s)
 
     def call_widths(self) -> set[int]:

@@ -40,6 +40,9 @@ DEFAULT_PRECISION = "w8a8"
 # lookup/recycling drafts, and the drafter is shipped for `--drafter model` and tree experiments.
 DEFAULT_DRAFTER = (2, 2048)
 VERIFY_SIZES = 8  # the target's one-call latency is recorded for S = 1..8 (chain verification costs)
+# ... at 128 cached tokens and again at this many (each row reads the whole cache: the planner interpolates between
+# the two and extends beyond at their slope, so a long chat is not priced like a short one without edge-profile)
+VERIFY_LONG_CONTEXT = 1024
 
 
 @dataclass(frozen=True)
@@ -474,6 +477,9 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     held_scored = [_generated(len(ids), len(ids) + len(gen)) for _, gen, ids in produced[len(calib) :]]
     past = min(128, max_len - VERIFY_SIZES)  # a short --max-len still leaves room for the probe
     target_ms = [runner.latency_ms(s, past=past, reps=20 if s == 1 else 10) for s in range(1, VERIFY_SIZES + 1)]
+    long_past = min(VERIFY_LONG_CONTEXT, max_len - VERIFY_SIZES)
+    long_ms = [runner.latency_ms(s, past=long_past, reps=10 if s == 1 else 5) for s in range(1, VERIFY_SIZES + 1)] \
+        if long_past >= 2 * past else None  # too close to `past` to tell a slope from noise
     del runner
 
     fit_data = None
@@ -492,7 +498,9 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
                          block_min=target_opts.uses_block_min(c.hidden, c.heads * c.head_dim, c.intermediate),
                          embedding_bits=target_opts.embedding_bits(c.hidden), max_len=max_len,
                          stats={"latency_ms_s1": round(target_ms[0], 3),
-                                "latency_ms_by_s": [round(t, 3) for t in target_ms],
+                                "latency_ms_by_s": [round(t, 3) for t in target_ms], "latency_context": past,
+                                **({"latency_ms_by_s_at": [[long_past, [round(t, 3) for t in long_ms]]]}
+                                   if long_ms else {}),
                                 **({"smoothing": smoothing} if smoothing else {})})]
     for layers, k in opts.drafters:
         k = min(k or c.vocab, c.vocab)

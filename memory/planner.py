@@ -78,6 +78,35 @@ def export_verify_shape(stats: Mapping[str, Any]) -> tuple[tuple[int, float], ..
     return tuple((i + 1, float(r)) for i, r in enumerate(ratios))
 
 
+def stat_ms(stats: Mapping[str, Any], key: str) -> float | None:
+    """A positive, finite number of ms the export recorded under `key`, else None (absent, or a hand-edited
+    manifest's string or NaN: the caller's default applies instead of a traceback)."""
+    v = stats.get(key)
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf else None
+
+
+def export_contexts(stats: Mapping[str, Any]) -> tuple[int | None, list]:
+    """(context, target_at) for `Latency` from what the export measured: `latency_ms_by_s` at `latency_context`
+    cached tokens and `latency_ms_by_s_at` ([[context, [ms for S = 1..8]]]) further out. (None, []) when the
+    export recorded no second context or its figures are unusable (older exports; a hand-edited manifest)."""
+    base, at = stats.get("latency_ms_by_s"), stats.get("latency_ms_by_s_at")
+    ctx = stats.get("latency_context")
+
+    def ok(c, by_s) -> bool:
+        return isinstance(c, int) and not isinstance(c, bool) and c >= 1 and isinstance(by_s, list) \
+            and len(by_s) >= 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                       and 0 < x < math.inf for x in by_s)
+
+    if not ok(ctx, base) or not isinstance(at, list) or not at \
+            or not all(isinstance(p, list) and len(p) == 2 and ok(*p) for p in at) \
+            or len({ctx, *(c for c, _ in at)}) != 1 + len(at):
+        return None, []
+    t1 = stats.get("latency_ms_s1")  # the target curve is latency_ms_s1 × the shape of latency_ms_by_s
+    if not ok(ctx, [t1, *base]):
+        return None, []
+    return ctx, [[c, [[i + 1, t1 * x / base[0]] for i, x in enumerate(by_s)]] for c, by_s in at]
+
+
 @dataclass(frozen=True)
 class LatencyCurve:
     """Milliseconds of one call of S rows: piecewise linear through measured (S, ms) points, flat below the first,
@@ -169,7 +198,7 @@ class Latency:
 
         t = d.get("target")
         target = curve(t, "target") if t else \
-            LatencyCurve.scaled(manifest.target.stats.get("latency_ms_s1") or DEFAULT_T1_MS,
+            LatencyCurve.scaled(stat_ms(manifest.target.stats, "latency_ms_s1") or DEFAULT_T1_MS,
                                 export_verify_shape(manifest.target.stats))
         drafters = d.get("drafters") or {}
         if not isinstance(drafters, Mapping):
@@ -180,7 +209,7 @@ class Latency:
             if g.name in measured:
                 curves[g.name] = measured[g.name]
             else:  # no export-time number either: scale the target by the layer ratio
-                t1 = g.stats.get("latency_ms_s1") or target(1) * g.layers / max(manifest.target.layers, 1)
+                t1 = stat_ms(g.stats, "latency_ms_s1") or target(1) * g.layers / max(manifest.target.layers, 1)
                 curves[g.name] = LatencyCurve.scaled(t1)
         ms = {}
         for k, default in (("lookup_ms", DEFAULT_LOOKUP_MS), ("recycling_ms", DEFAULT_RECYCLING_MS),
@@ -196,6 +225,8 @@ class Latency:
             raise ValueError(f"latency target_at: [[context, [[S, ms], ...]], ...] (got {at!r:.80})")
         if at and (context is None or not t):
             raise ValueError("latency target_at needs the target curve and the context it was measured at")
+        if not t and context is None:  # the export's own curves at two contexts, when it recorded them
+            context, at = export_contexts(manifest.target.stats)
         at = tuple((c, curve(v, f"target_at[{c!r}]")) for c, v in at)
         cs = [c for c, _ in at]
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cs) \

@@ -327,3 +327,37 @@ def test_short_context_export_calibrates_on_each_prompts_end(tmp_path, tiny_llam
     (g,) = m.drafters
     np.testing.assert_array_equal(np.load(out / g.id_map), np.sort(rc["ranked"][: g.vocab]))
 
+
+
+@pytest.mark.parametrize("max_len,long_past", [(300, 292), (40, None)])
+def test_target_latency_is_timed_at_a_long_context_when_the_graph_has_room(tmp_path, tiny_llama_dir, monkeypatch,
+                                                                          max_len, long_past):
+    """The export times the target at S = 1..8 over 128 cached tokens (fewer when --max-len leaves no room) and again
+    over up to 1,024 when the graph holds at least twice that first context; the manifest records both, and the
+    planner prices contexts between them from it without a calibration."""
+    from export.evaluate import GraphRunner
+    from export.pipeline import VERIFY_SIZES, export_model
+    from memory.planner import Latency
+
+    timed = []
+    real = GraphRunner.latency_ms
+
+    def spy(self, s=1, past=128, reps=20):
+        timed.append((s, past))
+        return real(self, s, past=past, reps=1)
+
+    monkeypatch.setattr(GraphRunner, "latency_ms", spy)
+    m = export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(max_len=max_len, drafters=(), distill=False,
+                                                                         parity=False), progress=False)
+    t = m.target.stats
+    past = min(128, max_len - VERIFY_SIZES)
+    assert t["latency_context"] == past
+    sizes = list(range(1, VERIFY_SIZES + 1))
+    assert timed == [(s, past) for s in sizes] + ([(s, long_past) for s in sizes] if long_past else [])
+    lat = Latency.from_calibration(m)
+    if long_past:
+        (c, by_s), = t["latency_ms_by_s_at"]
+        assert c == long_past and len(by_s) == VERIFY_SIZES and all(x > 0 for x in by_s)
+        assert lat.context == past and [c for c, _ in lat.target_at] == [long_past]
+    else:
+        assert "latency_ms_by_s_at" not in t and lat.target_at == ()
