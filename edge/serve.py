@@ -193,7 +193,8 @@ def parse_chat_request(raw: bytes, default_max_tokens: int) -> ChatRequest:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"seed must be an integer (got {seed!r})", "seed", "invalid_value")
-    stream = body.get("stream", False)
+    stream = body.get("stream")
+    stream = False if stream is None else stream  # null, as OpenAI's API allows: no stream
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream", "invalid_value")
     opts = body.get("stream_options")

@@ -81,12 +81,12 @@ def run_load(url: str, concurrency: int = 4, requests: int = 20, max_tokens: int
             t = time.perf_counter()
             try:
                 code, obj = _post(host, port, body, timeout)
-            except OSError as e:
+            except (OSError, http.client.HTTPException) as e:  # no complete HTTP answer
                 with lock:
                     lost.append(f"client {c} request {i}: {type(e).__name__}: {e}")
                 continue
             dt = time.perf_counter() - t
-            ok = obj is not None and (("choices" in obj) if code == 200 else ("error" in obj))
+            ok = isinstance(obj, dict) and (("choices" in obj) if code == 200 else ("error" in obj))
             with lock:
                 status[code] += 1
                 latency[code].append(dt)
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
             out = run_conversation(a.url, a.turns, a.max_tokens or 48, a.timeout)
         else:
             out = run_load(a.url, a.concurrency, a.requests, a.max_tokens or 16, a.timeout)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, OSError, http.client.HTTPException) as e:  # e.g. no server on --url
         print(f"serve_load: error: {e}", file=sys.stderr)
         return 2
     text = json.dumps(out, indent=2)

@@ -1,0 +1,599 @@
+"""edge-serve and its load tool, audited: parameter boundaries, the worker's outcomes, the response and stream
+shapes a client reads, disconnects and the queue, and the load tool's accounting. The server runs in-process (uvicorn
+in a thread) over a scripted stand-in engine, so every answer and counter is known in advance; the load tool runs
+against a scripted `_post` and a fake clock."""
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import random
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from edge import serve_load
+from edge.engine import MAX_DRAFT_LEN, Chunk, EngineError, Stats
+from edge.manifest import ModelDirError
+from edge.serve import MAX_BODY, ApiError, ChatRequest, Job, Worker, create_app, parse_chat_request
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def _parse(**fields) -> ChatRequest:
+    return parse_chat_request(json.dumps({"messages": MSGS, **fields}).encode(), 16)
+
+
+# ------------------------------------------------------------------------------ request parsing
+
+def test_range_limits_are_inclusive():
+    """The documented bounds are accepted: temperature 2, top_p 1, max_tokens 1, four stop strings, draft_len 0 and
+    its maximum."""
+    p = _parse(temperature=2, top_p=1, max_tokens=1, stop=["a", "b", "c", "d"]).params
+    assert (p["temperature"], p["top_p"], p["max_tokens"], p["stop"]) == (2.0, 1.0, 1, ("a", "b", "c", "d"))
+    assert _parse(max_completion_tokens=1).params["max_tokens"] == 1
+    for k in (0, MAX_DRAFT_LEN):
+        assert _parse(edgespec={"draft_len": k}).params["draft_len"] == k
+
+
+BAD = [
+    ("temperature bool", {"temperature": True}, "temperature"),
+    ("max_tokens bool", {"max_tokens": True}, "max_tokens"),
+    ("max_completion_tokens bool", {"max_completion_tokens": True}, "max_completion_tokens"),
+    ("empty stop", {"stop": ""}, "stop"),
+    ("empty stop in a list", {"stop": ["a", ""]}, "stop"),
+    ("draft_len past its maximum", {"edgespec": {"draft_len": MAX_DRAFT_LEN + 1}}, "edgespec.draft_len"),
+    ("n zero", {"n": 0}, "n"),
+    ("seed bool", {"seed": True}, "seed"),
+    ("top_k bool", {"top_k": True}, "top_k"),
+    ("stream_options not an object", {"stream": True, "stream_options": "include_usage"}, "stream_options"),
+    ("json schema", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+]
+
+
+@pytest.mark.parametrize("name,fields,param", BAD, ids=[b[0] for b in BAD])
+def test_more_bad_requests_are_refused_by_name(name, fields, param):
+    with pytest.raises(ApiError) as e:
+        _parse(**fields)
+    assert e.value.status == 400 and e.value.param == param and e.value.type == "invalid_request_error"
+
+
+def test_neutral_values_of_refused_fields_are_accepted():
+    """Values that ask for nothing special: no log-probabilities (top_logprobs 0), no tool call (tool_choice none)."""
+    req = _parse(logprobs=False, top_logprobs=0, tool_choice="none", n=1, response_format={"type": "text"})
+    assert req.params["max_tokens"] == 16 and not req.stream
+    assert "drafter" not in _parse(edgespec={"drafter": None}).params  # null: the server's default drafter
+
+
+def test_max_completion_tokens_wins_over_the_deprecated_max_tokens():
+    assert _parse(max_tokens=50, max_completion_tokens=7).params["max_tokens"] == 7
+
+
+def test_defaults_are_openais():
+    """No temperature is 1 (OpenAI's default; the README says so), no top_p is 1; include_usage only when true."""
+    p = _parse().params
+    assert (p["temperature"], p["top_p"], p["seed"], p["stop"]) == (1.0, 1.0, None, ())
+    assert not _parse(stream=True, stream_options={}).include_usage
+    assert not _parse(stream=True, stream_options={"include_usage": False}).include_usage
+
+
+def test_stream_null_means_no_stream():
+    assert _parse(stream=None).stream is False
+
+
+def test_a_body_of_exactly_the_limit_is_read():
+    import asyncio
+
+    from edge.serve import _read_body
+
+    class Exact:
+        headers = {"content-length": str(MAX_BODY)}
+
+        async def stream(self):
+            yield b"x" * MAX_BODY
+
+    assert len(asyncio.run(_read_body(Exact()))) == MAX_BODY
+
+
+# ------------------------------------------------------------------------------ the worker
+
+STATS = Stats(prompt_tokens=7, reused_tokens=3, generated=5, steps=2, drafted=4, accepted=2, prefill_s=0.0123,
+              decode_s=0.5, drafter="lookup")
+
+
+class ScriptEngine:
+    """A stand-in engine answering `pieces` (the last one with `finish`); `fail`: raised before piece `fail_at`;
+    `hold`: each piece waits for a `go.release()`."""
+    context = 1000
+    default_drafter = "none"
+
+    def __init__(self, pieces=("Hel", "lo", "!"), finish="stop", fail=None, fail_at=1, hold=False, prompt_len=7):
+        self.manifest = SimpleNamespace(name="fake-model")
+        self.pieces, self.finish, self.fail, self.fail_at, self.hold = pieces, finish, fail, fail_at, hold
+        self.prompt_len, self.last_stats, self.resets, self.emitted = prompt_len, None, [], 0
+        self.go, self.running, self.closed = threading.Semaphore(0), threading.Event(), threading.Event()
+
+    def encode(self, messages):
+        return list(range(self.prompt_len))
+
+    def reset(self, keep_drafter_state=False):
+        self.resets.append(keep_drafter_state)
+
+    def stream(self, messages, **kw):
+        self.last_stats = STATS
+        self.running.set()
+        try:
+            for i, piece in enumerate(self.pieces):
+                if self.hold:
+                    assert self.go.acquire(timeout=30), "the test never let the generation go on"
+                if self.fail is not None and i == self.fail_at:
+                    raise self.fail
+                self.emitted += 1
+                yield Chunk(piece, [i], 0, self.finish if i == len(self.pieces) - 1 else None)
+        finally:
+            self.closed.set()
+
+
+def _job(on_chunk=None):
+    """A Job whose results arrive synchronously in the worker's thread (`on_chunk(job, chunk)` after each chunk)."""
+    items, done = [], threading.Event()
+
+    class Loop:
+        def call_soon_threadsafe(self, fn, item):
+            items.append(item)
+            if item[0] == "chunk" and on_chunk:
+                on_chunk(job, item[1])
+            if item[0] != "chunk":
+                done.set()
+
+    job = Job(ChatRequest(MSGS, dict(max_tokens=16, temperature=0.0)), Loop())
+    job.items, job.done = items, done
+    return job
+
+
+def test_the_running_request_counts_against_the_queue():
+    """--max-queue N: N may wait while one generates; the next is a 503."""
+    engine = ScriptEngine(hold=True)
+    worker = Worker(engine, max_queue=1)
+    worker.start()
+    try:
+        worker.submit(_job())
+        assert engine.running.wait(10)
+        worker.submit(_job())  # waits
+        with pytest.raises(ApiError) as e:
+            worker.submit(_job())
+        assert e.value.status == 503 and e.value.code == "server_busy" and worker.status()["rejected"] == 1
+    finally:
+        for _ in range(10):
+            engine.go.release()
+        worker.stop()
+
+
+def test_a_prompt_that_fills_the_context_is_refused_as_too_long():
+    engine = ScriptEngine(prompt_len=ScriptEngine.context)
+    job = _job()
+    assert Worker(engine)._serve(job) == "rejected"
+    err = job.items[-1][1]
+    assert err.status == 400 and err.code == "context_length_exceeded" and not engine.running.is_set()
+
+
+def test_a_client_leaving_on_the_last_chunk_got_a_complete_answer():
+    job = _job(on_chunk=lambda j, ch: ch.finish_reason and j.cancel.set())
+    assert Worker(ScriptEngine())._serve(job) == "completed"
+    assert [k for k, _ in job.items] == ["chunk"] * 3 + ["done"]
+
+
+def test_a_shutdown_during_the_last_chunk_still_delivers_the_answer():
+    """Only an answer the shutdown cut short is a 503; one that ended anyway is delivered."""
+    worker = Worker(ScriptEngine())
+    job = _job(on_chunk=lambda j, ch: ch.finish_reason and worker.drain())
+    assert worker._serve(job) == "completed" and job.items[-1][0] == "done"
+
+
+@pytest.mark.parametrize("fail,status,code,param,outcome", [
+    (ModelDirError("this export has no drafter model"), 400, "unsupported_drafter", "edgespec.drafter", "rejected"),
+    (EngineError("no such thing"), 400, "invalid_request", None, "rejected"),
+    (RuntimeError("boom"), 500, None, None, "failed")])
+def test_engine_errors_are_answered_and_counted(fail, status, code, param, outcome):
+    engine = ScriptEngine(fail=fail, fail_at=0)
+    worker = Worker(engine)
+    job = _job()
+    worker.start()
+    try:
+        worker.submit(job)
+        assert job.done.wait(10)
+    finally:
+        worker.stop()
+    err = job.items[-1][1]
+    assert isinstance(err, ApiError) and (err.status, err.code, err.param) == (status, code, param)
+    assert err.type == ("server_error" if status == 500 else "invalid_request_error") and str(fail) in err.message
+    assert worker.status()[outcome] == 1 and sum(worker.status()[k] for k in ("completed", "rejected", "failed")) == 1
+
+
+# ------------------------------------------------------------------------------ the HTTP server, in-process
+
+@contextlib.contextmanager
+def _serving(engine, **kw):
+    """create_app(engine, **kw) served by uvicorn on a free loopback port → (port, worker)."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    app = create_app(engine, **kw)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="error", timeout_graceful_shutdown=2))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert th.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield sock.getsockname()[1], app.state.worker
+    finally:
+        server.should_exit = True
+        for _ in range(100):
+            engine.go.release()
+        th.join(20)
+        sock.close()
+
+
+def _send(port, body, method="POST", path="/v1/chat/completions") -> http.client.HTTPConnection:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request(method, path, None if body is None else json.dumps(body), {"Content-Type": "application/json"})
+    return conn
+
+
+def _call(port, body, method="POST", path="/v1/chat/completions"):
+    conn = _send(port, body, method, path)
+    try:
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        conn.close()
+
+
+def _health(port) -> dict:
+    return json.loads(_call(port, None, "GET", "/health")[2])
+
+
+def _wait_health(port, pred, timeout=10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = _health(port)
+        if pred(h) or time.monotonic() > deadline:
+            return h
+        time.sleep(0.02)
+
+
+def _events(raw: bytes) -> list:
+    """The SSE body → its `data:` payloads (JSON objects, or the string "[DONE]"), each event on its own."""
+    assert raw.endswith(b"\n\n")
+    out = []
+    for ev in raw[:-2].split(b"\n\n"):
+        assert ev.startswith(b"data: ") and b"\n" not in ev, ev
+        data = ev[len(b"data: "):]
+        out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
+
+
+USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 3}}
+# (generated - 1) / steps tokens per step, prefill in ms, (generated - 1) / decode_s
+COUNTERS = {"drafter": "lookup", "drafted": 4, "accepted": 2, "steps": 2, "mean_accepted_len": 2.0,
+            "prompt_tokens_reused": 3, "prefill_ms": 12.3, "decode_tok_s": 8.0}
+
+
+def test_completion_body_has_openais_shape_and_the_counters():
+    with _serving(ScriptEngine()) as (port, _):
+        status, _, raw = _call(port, {"messages": MSGS, "max_tokens": 5})
+    r = json.loads(raw)
+    assert status == 200 and r["object"] == "chat.completion" and r["model"] == "fake-model"
+    assert r["id"].startswith("chatcmpl-")
+    assert r["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello!"}, "logprobs": None,
+                             "finish_reason": "stop"}]
+    assert r["usage"] == USAGE and r["edgespec"] == COUNTERS
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_stream_events_have_openais_shape(include_usage):
+    body = {"messages": MSGS, "stream": True, **({"stream_options": {"include_usage": True}} if include_usage else {})}
+    with _serving(ScriptEngine()) as (port, _):
+        status, headers, raw = _call(port, body)
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    ev = _events(raw)
+    assert ev[-1] == "[DONE]" and "[DONE]" not in ev[:-1]
+    chunks = ev[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "fake-model" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    with_choice = [c for c in chunks if c["choices"]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in with_choice) == "Hello!"
+    assert [c["choices"][0]["finish_reason"] for c in with_choice][-1] == "stop"
+    assert all(c["choices"][0]["finish_reason"] is None for c in with_choice[:-1])
+    assert with_choice[-1]["edgespec"] == COUNTERS  # the finish chunk carries the counters, with or without usage
+    if include_usage:  # every chunk has "usage": null, then one more chunk with no choices carries it
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == USAGE and chunks[-1]["edgespec"] == COUNTERS
+        assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    else:
+        assert chunks[-1] is with_choice[-1]
+
+
+def test_a_failure_after_the_stream_began_is_its_last_event():
+    engine = ScriptEngine(fail=RuntimeError("boom"), fail_at=1)
+    with _serving(engine) as (port, _):
+        status, _, raw = _call(port, {"messages": MSGS, "stream": True})
+        assert _wait_health(port, lambda h: h["failed"] == 1)["failed"] == 1
+    ev = _events(raw)
+    assert status == 200 and ev[-1] == "[DONE]"
+    err = ev[-2]["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "server_error" and "boom" in err["message"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in ev[:-2])  # no finish chunk: the answer failed
+
+
+def test_a_failure_after_some_chunks_of_a_plain_answer_is_an_error_response():
+    with _serving(ScriptEngine(fail=EngineError("cannot go on"), fail_at=1)) as (port, _):
+        status, _, raw = _call(port, {"messages": MSGS})
+    err = json.loads(raw)["error"]
+    assert status == 400 and err["code"] == "invalid_request" and "cannot go on" in err["message"]
+
+
+def test_full_queue_503_says_when_to_retry():
+    engine = ScriptEngine(hold=True)
+    with _serving(engine, max_queue=0) as (port, _):
+        first = _send(port, {"messages": MSGS})
+        try:
+            assert engine.running.wait(10)
+            status, headers, raw = _call(port, {"messages": MSGS})
+            assert status == 503 and headers.get("retry-after") == "1"
+            assert json.loads(raw)["error"]["code"] == "server_busy"
+            for _ in range(3):
+                engine.go.release()
+            r = first.getresponse()
+            assert r.status == 200 and json.loads(r.read())["choices"][0]["message"]["content"] == "Hello!"
+        finally:
+            first.close()
+
+
+def test_unknown_paths_health_and_no_reuse():
+    """--no-reuse prefills every prompt in full but keeps what the drafters learned."""
+    engine = ScriptEngine()
+    with _serving(engine, reuse=False, max_queue=3) as (port, _):
+        status, _, raw = _call(port, None, "GET", "/v1/nothing")
+        assert status == 404 and json.loads(raw)["error"]["code"] == "not_found"
+        assert _call(port, {"messages": MSGS})[0] == 200
+        h = _health(port)
+    assert h["reuse"] is False and h["max_queue"] == 3 and h["model"] == "fake-model" and h["context"] == 1000
+    assert engine.resets == [True]
+
+
+def test_a_client_that_leaves_while_queued_frees_its_slot_at_once():
+    engine = ScriptEngine(hold=True)
+    with _serving(engine, max_queue=1) as (port, _):
+        running = _send(port, {"messages": MSGS})
+        assert engine.running.wait(10)
+        queued = _send(port, {"messages": MSGS})
+        assert _wait_health(port, lambda h: h["waiting"] == 1)["waiting"] == 1
+        queued.sock.shutdown(socket.SHUT_RDWR)
+        queued.close()
+        h = _wait_health(port, lambda h: h["waiting"] == 0)
+        assert (h["waiting"], h["cancelled"], h["busy"]) == (0, 1, True)  # while the first one still runs
+        for _ in range(3):
+            engine.go.release()
+        assert running.getresponse().status == 200
+        running.close()
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_generation():
+    engine = ScriptEngine(pieces=tuple(f"t{i} " for i in range(50)), hold=True)
+    with _serving(engine) as (port, _):
+        conn = _send(port, {"messages": MSGS, "stream": True})
+        engine.go.release()
+        r = conn.getresponse()
+        assert r.status == 200
+        while not r.fp.readline().startswith(b'data: {"id"'):
+            pass
+        conn.sock.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        h = {}
+        for _ in range(20):  # a few more steps may run before the server notices
+            engine.go.release()
+            h = _wait_health(port, lambda h: not h["busy"], timeout=0.25)
+            if not h["busy"]:
+                break
+        assert not h["busy"] and h["cancelled"] == 1 and h["completed"] == 0, h
+        assert engine.closed.is_set() and engine.emitted < 50
+
+
+def test_cli_refuses_max_tokens_zero_before_loading(capsys):
+    from edge import serve
+
+    assert serve.main(["--model-dir", "/nonexistent", "--max-tokens", "0"]) == 2
+    assert "--max-tokens >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("host,warned", [("0.0.0.0", True), ("192.0.2.7", True), ("127.0.0.1", False),
+                                         ("::1", False), ("localhost", False)])
+def test_cli_warns_only_when_binding_beyond_this_machine(monkeypatch, capsys, host, warned):
+    from edge import serve
+
+    monkeypatch.setattr(serve, "_listen_check", lambda host, port: (None, "stopped here by the test"))
+    assert serve.main(["--host", host, "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "stopped here by the test" in err and ("no authentication" in err) == warned
+
+
+# ------------------------------------------------------------------------------ the load tool
+
+def _nearest_rank(xs, q):
+    """The smallest value with at least q% of the values at or below it (the minimum for q = 0)."""
+    s = sorted(xs)
+    return next(x for x in s if sum(y <= x for y in s) * 100 >= q * len(s))
+
+
+def test_percentile_is_nearest_rank():
+    rng = random.Random(0)
+    for n in (1, 2, 3, 7, 10, 20, 101):
+        xs = [rng.random() for _ in range(n)]
+        for q in (0, 1, 10, 25, 50, 90, 95, 99, 99.9, 100):
+            assert serve_load.percentile(xs, q) == _nearest_rank(xs, q), (n, q)
+    assert serve_load.percentile([], 50) is None
+
+
+def test_target_takes_loopback_names_and_http_default_port():
+    assert serve_load._target("http://localhost") == ("localhost", 80)
+    assert serve_load._target("http://[::1]:9000/") == ("::1", 9000)
+    with pytest.raises(ValueError):
+        serve_load._target("http://example.com:8080")
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def _scripted(monkeypatch, script):
+    """serve_load's _post answers from `script` in order: (status, body, seconds) or an exception to raise; the
+    clock advances by those seconds. Returns the request bodies sent."""
+    clock, sent, it = Clock(), [], iter(script)
+    monkeypatch.setattr(serve_load, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+
+    def post(host, port, body, timeout):
+        sent.append(json.loads(json.dumps(body)))  # as sent: the caller may change its lists later
+        step = next(it)
+        if isinstance(step, Exception):
+            raise step
+        status, obj, seconds = step
+        clock.now += seconds
+        return status, obj
+
+    monkeypatch.setattr(serve_load, "_post", post)
+    return sent
+
+
+OK = {"choices": [{"message": {"content": "x"}}]}
+ERR = {"error": {"message": "busy"}}
+
+
+def test_load_summary_counts_and_percentiles(monkeypatch):
+    ok_s = [0.4, 0.1, 0.9, 0.3, 1.0, 0.2, 0.8, 0.5, 0.7, 0.6]  # ten answers: p90 and p99 differ
+    busy_s = [0.02, 0.005, 0.015, 0.01]
+    script = [(200, OK, s) for s in ok_s[:5]] + [(503, ERR, s) for s in busy_s]
+    script += [ConnectionRefusedError("refused"), (200, {"unexpected": 1}, 0.05), (500, None, 0.03)]
+    script += [(200, OK, s) for s in ok_s[5:]]
+    _scripted(monkeypatch, script)
+    out = serve_load.run_load("http://127.0.0.1:1", concurrency=1, requests=len(script), timeout=5)
+    ok_all = ok_s + [0.05]  # the malformed 200 is still a 200
+    assert out["sent"] == len(script) == 17 and out["lost"] == 1 and out["malformed_bodies"] == 2
+    assert out["status"] == {"200": 11, "500": 1, "503": 4} and (out["answered_200"], out["rejected_503"]) == (11, 4)
+
+    def ms(xs, q):
+        return round(1000 * _nearest_rank(xs, q), 1)
+
+    assert out["latency_ms_200"] == {"p50": ms(ok_all, 50), "p90": ms(ok_all, 90), "p99": ms(ok_all, 99),
+                                     "max": 1000.0}
+    assert out["latency_ms_503"] == {"p50": ms(busy_s, 50), "p99": ms(busy_s, 99)}
+
+
+def test_load_max_is_the_slowest_answer_past_a_hundred(monkeypatch):
+    seconds = [0.001 * k for k in range(1, 151)]
+    random.Random(1).shuffle(seconds)
+    _scripted(monkeypatch, [(200, OK, s) for s in seconds])
+    out = serve_load.run_load("http://127.0.0.1:1", concurrency=1, requests=150, timeout=5)
+    assert (out["latency_ms_200"]["p99"], out["latency_ms_200"]["max"]) == (149.0, 150.0)  # rank ceil(148.5), 150
+
+
+def test_a_request_without_an_answer_in_time_is_lost():
+    with socket.socket() as mute:  # accepts connections (backlog), never answers
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        res = {}
+        th = threading.Thread(target=lambda: res.update(serve_load.run_load(
+            f"http://127.0.0.1:{mute.getsockname()[1]}", concurrency=1, requests=1, timeout=0.3)), daemon=True)
+        th.start()
+        th.join(15)
+        assert not th.is_alive(), "the load tool waited past its timeout"
+    assert res["lost"] == 1 and res["sent"] == 1 and res["status"] == {}
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_every_request_sent_is_accounted_for():
+    """A server that closes mid-answer: each request is an HTTP status or lost, and the run is not a success."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def answer_half():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            with c, c.makefile("rb") as f:  # read the whole request, so closing sends no reset
+                length = 0
+                while (line := f.readline()) not in (b"\r\n", b""):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                f.read(length)
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"ch")
+                c.shutdown(socket.SHUT_WR)  # the answer ends 96 bytes short
+                f.read()  # until the client closes
+
+    threading.Thread(target=answer_half, daemon=True).start()
+    try:
+        out = serve_load.run_load(f"http://127.0.0.1:{srv.getsockname()[1]}", concurrency=1, requests=2, timeout=5)
+    finally:
+        srv.close()
+    assert sum(out["status"].values()) + out["lost"] == out["sent"] == 2
+    assert out["lost"] + out["malformed_bodies"] > 0
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_answer_that_is_not_an_object_is_malformed(monkeypatch):
+    _scripted(monkeypatch, [(200, 5, 0.01), (503, ["busy"], 0.01), (200, OK, 0.01)])
+    out = serve_load.run_load("http://127.0.0.1:1", concurrency=1, requests=3, timeout=5)
+    assert out["status"] == {"200": 2, "503": 1} and out["malformed_bodies"] == 2
+
+
+def test_conversation_without_a_server_is_one_error_line(capsys):
+    with socket.socket() as s:  # bound, not listening: connections are refused
+        s.bind(("127.0.0.1", 0))
+        assert serve_load.main(["--turns", "1", "--url", f"http://127.0.0.1:{s.getsockname()[1]}"]) == 2
+    assert "serve_load: error:" in capsys.readouterr().err
+
+
+def test_conversation_resends_the_answers_and_reports_prefill(monkeypatch):
+    usage = [(20, 0), (45, 18), (70, 43)]  # (prompt tokens, cached) per turn
+    script = [(200, {"choices": [{"message": {"content": f"answer {i}"}}],
+                     "usage": {"prompt_tokens": p, "prompt_tokens_details": {"cached_tokens": c}},
+                     "edgespec": {"prefill_ms": 1.5}}, 0.1) for i, (p, c) in enumerate(usage)]
+    sent = _scripted(monkeypatch, script)
+    out = serve_load.run_conversation("http://127.0.0.1:1", turns=3, max_tokens=8)
+    assert [t["prefilled"] for t in out["turns"]] == [20, 27, 27] and out["prefilled_total"] == 74
+    assert out["prompt_tokens_total"] == 135 and out["prefill_ms_total"] == 4.5
+    msgs = sent[2]["messages"]
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert [m["content"] for m in msgs if m["role"] == "assistant"] == ["answer 0", "answer 1"]
+
+
+def test_load_cli_defaults_limits_and_exit_status(monkeypatch, capsys):
+    reply = {"choices": [{"message": {"content": "a"}}], "usage": {"prompt_tokens": 5, "prompt_tokens_details":
+             {"cached_tokens": 0}}, "edgespec": {"prefill_ms": 1.0}}
+    sent = _scripted(monkeypatch, [(200, reply, 0.01)] * 2)
+    assert serve_load.main(["--turns", "2"]) == 0
+    assert [(b["max_tokens"], b["temperature"]) for b in sent] == [(48, 0), (48, 0)]  # greedy: comparable runs
+    sent = _scripted(monkeypatch, [(200, OK, 0.01)])
+    assert serve_load.main(["--concurrency", "1", "--requests", "1"]) == 0
+    assert (sent[0]["max_tokens"], sent[0]["temperature"]) == (16, 0)
+    _scripted(monkeypatch, [(200, reply, 0.01), (503, ERR, 0.01)])
+    assert serve_load.main(["--turns", "2"]) == 2  # a turn refused: one error line, not a traceback
+    assert "turn 2: HTTP 503" in capsys.readouterr().err
+    _scripted(monkeypatch, [(200, {"no": "choices"}, 0.01)])
+    assert serve_load.main(["--concurrency", "1", "--requests", "1"]) == 1  # a malformed body fails the run
+    assert serve_load.main(["--requests", "1001"]) == 2
+    capsys.readouterr()
