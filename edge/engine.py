@@ -23,7 +23,7 @@ from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
 from memory.acceptance import MEASURED_TOKEN_PRIORS, AcceptanceStats, TokenAcceptance
-from memory.footprint import PREFILL_CHUNK, drafter_graph
+from memory.footprint import PREFILL_CHUNK, drafter_graph, top1_agreement
 from memory.planner import (DEFAULT_PRIORS, MAX_CHAIN, LatencyCurve, best_chain_length, best_prefix,
                             export_verify_shape, fullest, plain_call_rows, stat_ms)
 
@@ -423,7 +423,7 @@ class Engine:
             prior = DEFAULT_PRIORS.get(kind, (0.3, 1.0))[0]
             if kind == "model" and self.manifest.drafters:  # the graph running (or about to run): its agreement
                 g = drafter_graph(self.manifest, self._drafter_graph)
-                prior = g.stats.get("top1_agreement", 0.3)
+                prior = top1_agreement(g, 0.3)
             st = self.acceptance[kind] = AcceptanceStats(prior)
         return st
 
@@ -502,7 +502,7 @@ class Engine:
             return "none"
         # lookup and recycling drafts cost no model calls; a model drafter must earn its cost. Measured choice
         # (README): hybrid lookup+recycling trees beat the early-exit drafter on this model.
-        if self.manifest.drafters and drafter_graph(self.manifest).stats.get("top1_agreement", 0) >= 0.6:
+        if self.manifest.drafters and top1_agreement(drafter_graph(self.manifest), 0.0) >= 0.6:
             return "model"
         return "hybrid" if self.target.topk else "lookup"
 

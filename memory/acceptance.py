@@ -92,7 +92,7 @@ class AcceptanceStats:
         if p.shape[0] < max_depth:  # a short prior list: its last value continues
             p = np.concatenate([p, np.full(max_depth - p.shape[0], p[-1] if p.size else 0.0)])
         p = p[:max_depth]
-        if np.any(p < 0) or np.any(p > 1):
+        if not np.all((p >= 0) & (p <= 1)):  # NaN fails both comparisons
             raise ValueError(f"acceptance priors must be in [0, 1] (got {p.tolist()})")
         self.beta, self.prior_weight, self.max_depth, self.max_rank = beta, prior_weight, max_depth, max_rank
         self.rate = p[:, None] * rank_decay ** np.arange(max_rank)[None, :]  # [depth, rank]
@@ -134,11 +134,12 @@ class AcceptanceStats:
         depth after it was rejected (every offered rank missed)."""
         if len(accepted_ranks) > len(offered):
             raise ValueError("more accepted depths than offered depths")
+        for i, hit in enumerate(accepted_ranks):  # all checked before anything is observed
+            if not 0 <= hit < offered[i]:
+                raise ValueError(f"depth {i + 1}: accepted rank {hit} not among the {offered[i]} offered")
         self._observe_rate(len(offered) > 0 and offered[0] > 0)
         for i, m in enumerate(offered):
             hit = accepted_ranks[i] if i < len(accepted_ranks) else None
-            if hit is not None and not 0 <= hit < m:
-                raise ValueError(f"depth {i + 1}: accepted rank {hit} not among the {m} offered")
             for r in range(min(m, self.max_rank)):
                 self._observe(i + 1, r, r == hit)
             if hit is None:

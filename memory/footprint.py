@@ -383,6 +383,14 @@ def arena_bytes(calib: Calibration, hidden: int, vocab: int, rows: int, kept: in
                  + calib.act_bytes_per_row_vocab * kept * vocab + calib.attn_bytes_per_row_token * rows * span)
 
 
+def top1_agreement(graph, default: float) -> float:
+    """A drafter graph's measured top-1 agreement with the target (its manifest stats), or `default` when the
+    manifest has none or a value that is not a probability (a hand-edited NaN or string must not become a NaN
+    plan or a TypeError)."""
+    v = (graph.stats or {}).get("top1_agreement")
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1 else default
+
+
 def drafter_graph(manifest, name: str | None = None):
     """The drafter graph `name`, or without a name the one `--drafter model` runs: the best measured top-1
     agreement with the target (the first such graph on a tie)."""
@@ -390,7 +398,7 @@ def drafter_graph(manifest, name: str | None = None):
     if not drafters:
         raise ValueError(f"{manifest.name}: no drafter graph in the manifest (drafter 'model' needs one)")
     if name is None:
-        return max(drafters, key=lambda g: (g.stats or {}).get("top1_agreement", 0))
+        return max(drafters, key=lambda g: top1_agreement(g, 0.0))
     for g in drafters:
         if g.name == name:
             return g

@@ -24,7 +24,7 @@ import numpy as np
 
 from .acceptance import AcceptanceStats, TreeShape
 from .footprint import (DRAFTERS, MB, PREFILL_CHUNK, Calibration, Footprint, Speculation, drafter_graph,
-                        graph_weight_bytes, predict_peak)
+                        graph_weight_bytes, predict_peak, top1_agreement)
 
 # Verify-call latency relative to one token, measured on the embedded SmolLM2-135M int4 export on this host
 # (t(8) ≈ 1.7·t(1), t(16) ≈ 2.2·t(1), t(1) ≈ 9 ms). Beyond the last point a call is taken as compute-bound
@@ -253,7 +253,7 @@ def default_stats(manifest) -> dict[str, AcceptanceStats]:
     manifest top1_agreement as the per-depth rate)."""
     out = {k: AcceptanceStats(a, draft_rate=h) for k, (a, h) in DEFAULT_PRIORS.items()}
     for g in manifest.drafters:
-        out[g.name] = AcceptanceStats(g.stats.get("top1_agreement", DEFAULT_MODEL_PRIOR))
+        out[g.name] = AcceptanceStats(top1_agreement(g, DEFAULT_MODEL_PRIOR))
     return out
 
 
