@@ -86,6 +86,11 @@ class DeviceProfile:
         return d
 
 
+def _whole(x) -> bool:
+    """An integer in JSON's sense: `true` is not 1 MB or one core."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _validate(p: DeviceProfile) -> None:
     def bad(fieldname: str, why: str):
         raise ProfileError(f"device profile {p.name!r}: {fieldname} {why}")
@@ -102,9 +107,9 @@ def _validate(p: DeviceProfile) -> None:
         bad("device_class", f"{p.device_class!r} is not one of {', '.join(DEVICE_CLASSES)}")
     if not p.execution_provider.endswith("ExecutionProvider"):
         bad("execution_provider", f"{p.execution_provider!r} is not an ONNX Runtime provider name")
-    if not (isinstance(p.memory_total_mb, int) and p.memory_total_mb > 0):
+    if not (_whole(p.memory_total_mb) and p.memory_total_mb > 0):
         bad("memory_total_mb", f"must be a positive integer (got {p.memory_total_mb!r})")
-    if not (isinstance(p.budget_mb, int) and 0 < p.budget_mb <= p.memory_total_mb):
+    if not (_whole(p.budget_mb) and 0 < p.budget_mb <= p.memory_total_mb):
         bad("budget_mb", f"must be a positive integer <= memory_total_mb {p.memory_total_mb} (got {p.budget_mb!r})")
     if p.app_memory_cap_mb is not None and not 0 < p.budget_mb <= p.app_memory_cap_mb <= p.memory_total_mb:
         bad("app_memory_cap_mb", f"must lie between budget_mb and memory_total_mb (got {p.app_memory_cap_mb!r})")
@@ -115,13 +120,13 @@ def _validate(p: DeviceProfile) -> None:
     if p.activation_dtype not in ACTIVATION_DTYPES:
         bad("activation_dtype", f"{p.activation_dtype!r} is not one of {', '.join(ACTIVATION_DTYPES)}")
     b = p.shape_buckets
-    if any(not isinstance(x, int) or x < 1 for x in b) or list(b) != sorted(set(b)):
+    if any(not _whole(x) or x < 1 for x in b) or list(b) != sorted(set(b)):
         bad("shape_buckets", f"must be strictly increasing positive integers (got {list(b)})")
-    if not (isinstance(p.prefill_chunk, int) and p.prefill_chunk >= 1):
+    if not (_whole(p.prefill_chunk) and p.prefill_chunk >= 1):
         bad("prefill_chunk", f"must be a positive integer (got {p.prefill_chunk!r})")
     if b and p.prefill_chunk not in b:
         bad("prefill_chunk", f"{p.prefill_chunk} must be one of the shape buckets {list(b)}")
-    if p.cores is not None and not (isinstance(p.cores, int) and p.cores >= 1):
+    if p.cores is not None and not (_whole(p.cores) and p.cores >= 1):
         bad("cores", f"must be a positive integer or null (got {p.cores!r})")
     if not p.source.strip():
         bad("source", "must name the public spec the numbers come from")

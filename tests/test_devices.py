@@ -189,6 +189,11 @@ BASE = load_profile("snapdragon-x-npu").to_dict()
     (dict(source=[]), "source must be a string"),
     (dict(provider_options=[1, 2]), "provider_options must be a JSON object"),
     (dict(calibration=[1]), "calibration must be a JSON object"),
+    # JSON true is not the integer 1 (it loaded as a 1 MB budget, one core, a 1-row prefill)
+    (dict(budget_mb=True), "budget_mb"),
+    (dict(cores=True), "cores"),
+    (dict(prefill_chunk=True), "prefill_chunk"),
+    (dict(shape_buckets=[True, 512], prefill_chunk=512), "shape_buckets"),
 ])
 def test_validation_names_the_field(change, field):
     with pytest.raises(ProfileError, match=field):
