@@ -116,6 +116,8 @@ class LatencyCurve:
     def __post_init__(self):
         try:
             pts = tuple(sorted((int(s), float(t)) for s, t in self.points))
+            if any(isinstance(s, bool) or s != int(s) for s, _ in self.points):  # S = 1.9 is not one row
+                pts = ()
         except (TypeError, ValueError, OverflowError):
             pts = ()
         if not pts or pts[0][0] < 1 or not all(0 < t < math.inf for _, t in pts) \

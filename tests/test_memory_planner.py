@@ -46,6 +46,10 @@ def test_default_latency_curve():
         Latency.from_calibration(M, {"targets": []})
     with pytest.raises(ValueError, match="distinct S"):
         LatencyCurve(((0, 1.0),))
+    for rows in (1.9, True):  # a fractional or boolean row count was truncated to 1
+        with pytest.raises(ValueError, match="distinct S"):
+            LatencyCurve(((rows, 1.0), (8, 2.0)))
+    assert LatencyCurve(((1.0, 3.0), (8, 5.0))).points == ((1, 3.0), (8, 5.0))  # JSON's 1.0 is one row
 
 
 def test_export_measured_curve_shapes_the_default():
