@@ -85,26 +85,21 @@ def stat_ms(stats: Mapping[str, Any], key: str) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf else None
 
 
-def export_contexts(stats: Mapping[str, Any]) -> tuple[int | None, list]:
-    """(context, target_at) for `Latency` from what the export measured: `latency_ms_by_s` at `latency_context`
-    cached tokens and `latency_ms_by_s_at` ([[context, [ms for S = 1..8]]]) further out. (None, []) when the
-    export recorded no second context or its figures are unusable (older exports; a hand-edited manifest)."""
-    base, at = stats.get("latency_ms_by_s"), stats.get("latency_ms_by_s_at")
-    ctx = stats.get("latency_context")
+def export_contexts(stats: Mapping[str, Any]) -> list[tuple[int, list[list[float]]]]:
+    """The target's curves the export timed the engine's way at two or more contexts (`latency_ms_by_s_at`:
+    [[context, [ms for S = 1..8]], ...]) as [(context, [[S, ms], ...]), ...]; [] when it recorded none or its
+    figures are unusable (older exports; a hand-edited manifest): every context is then priced alike."""
+    at = stats.get("latency_ms_by_s_at")
 
     def ok(c, by_s) -> bool:
         return isinstance(c, int) and not isinstance(c, bool) and c >= 1 and isinstance(by_s, list) \
             and len(by_s) >= 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                        and 0 < x < math.inf for x in by_s)
 
-    if not ok(ctx, base) or not isinstance(at, list) or not at \
-            or not all(isinstance(p, list) and len(p) == 2 and ok(*p) for p in at) \
-            or len({ctx, *(c for c, _ in at)}) != 1 + len(at):
-        return None, []
-    t1 = stats.get("latency_ms_s1")  # the target curve is latency_ms_s1 × the shape of latency_ms_by_s
-    if not ok(ctx, [t1, *base]):
-        return None, []
-    return ctx, [[c, [[i + 1, t1 * x / base[0]] for i, x in enumerate(by_s)]] for c, by_s in at]
+    if not isinstance(at, list) or len(at) < 2 or not all(isinstance(p, list) and len(p) == 2 and ok(*p) for p in at) \
+            or len({c for c, _ in at}) != len(at):
+        return []
+    return sorted((c, [[i + 1, float(x)] for i, x in enumerate(by_s)]) for c, by_s in at)
 
 
 @dataclass(frozen=True)
@@ -183,8 +178,9 @@ class Latency:
     def from_calibration(cls, manifest, d: Mapping[str, Any] | None = None) -> "Latency":
         """The "latency" section of a calibration JSON: {"target": [[S, ms], ...], "drafters": {graph: [[S, ms],
         ...]}, "lookup_ms", "recycling_ms", "overhead_ms", "context": cached tokens those curves were measured at,
-        "target_at": [[context, [[S, ms], ...]], ...]}. Missing curves: the manifest's export-time latency_ms_s1
-        (or DEFAULT_T1_MS) times the export's measured shape (`export_verify_shape`)."""
+        "target_at": [[context, [[S, ms], ...]], ...]}. No target curve (and no context): the export's own curves
+        at two contexts (`export_contexts`), else its latency_ms_s1 (or DEFAULT_T1_MS) times its measured shape
+        (`export_verify_shape`) at every context."""
         d = dict(d or {})
         known = {"target", "drafters", "lookup_ms", "recycling_ms", "overhead_ms", "context", "target_at"}
         bad = sorted(set(d) - known)
@@ -199,7 +195,8 @@ class Latency:
                                  f"(got {v!r:.80})") from e
 
         t = d.get("target")
-        target = curve(t, "target") if t else \
+        timed = export_contexts(manifest.target.stats) if not t and d.get("context") is None else []
+        target = curve(t, "target") if t else LatencyCurve(tuple(map(tuple, timed[0][1]))) if timed else \
             LatencyCurve.scaled(stat_ms(manifest.target.stats, "latency_ms_s1") or DEFAULT_T1_MS,
                                 export_verify_shape(manifest.target.stats))
         drafters = d.get("drafters") or {}
@@ -227,8 +224,8 @@ class Latency:
             raise ValueError(f"latency target_at: [[context, [[S, ms], ...]], ...] (got {at!r:.80})")
         if at and (context is None or not t):
             raise ValueError("latency target_at needs the target curve and the context it was measured at")
-        if not t and context is None:  # the export's own curves at two contexts, when it recorded them
-            context, at = export_contexts(manifest.target.stats)
+        if timed:  # the export's own curves at two contexts
+            context, at = timed[0][0], timed[1:]
         at = tuple((c, curve(v, f"target_at[{c!r}]")) for c, v in at)
         cs = [c for c, _ in at]
         if any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in cs) \

@@ -332,32 +332,31 @@ def test_short_context_export_calibrates_on_each_prompts_end(tmp_path, tiny_llam
 @pytest.mark.parametrize("max_len,long_past", [(300, 292), (40, None)])
 def test_target_latency_is_timed_at_a_long_context_when_the_graph_has_room(tmp_path, tiny_llama_dir, monkeypatch,
                                                                           max_len, long_past):
-    """The export times the target at S = 1..8 over 128 cached tokens (fewer when --max-len leaves no room) and again
-    over up to 1,024 when the graph holds at least twice that first context; the manifest records both, and the
-    planner prices contexts between them from it without a calibration."""
-    from export.evaluate import GraphRunner
+    """The export times the target the engine's way at S = 1..8 over 128 cached tokens (fewer when --max-len leaves
+    no room) and over up to 1,024 when the graph holds at least twice that first context; the manifest records
+    both, and the planner prices contexts between them from it without a calibration."""
+    import edge.profile
     from export.pipeline import VERIFY_SIZES, export_model
     from memory.planner import Latency
 
     timed = []
-    real = GraphRunner.latency_ms
+    real = edge.profile.call_latency
 
-    def spy(self, s=1, past=128, reps=20):
-        timed.append((s, past))
-        return real(self, s, past=past, reps=1)
+    def spy(session, sizes, context, reps, prog=None):
+        timed.append((list(sizes), context, session.cache.capacity))
+        return real(session, sizes, context, 1, prog)
 
-    monkeypatch.setattr(GraphRunner, "latency_ms", spy)
+    monkeypatch.setattr(edge.profile, "call_latency", spy)
     m = export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(max_len=max_len, drafters=(), distill=False,
                                                                          parity=False), progress=False)
     t = m.target.stats
-    past = min(128, max_len - VERIFY_SIZES)
-    assert t["latency_context"] == past
-    sizes = list(range(1, VERIFY_SIZES + 1))
-    assert timed == [(s, past) for s in sizes] + ([(s, long_past) for s in sizes] if long_past else [])
+    past, sizes = min(128, max_len - VERIFY_SIZES), list(range(1, VERIFY_SIZES + 1))
     lat = Latency.from_calibration(m)
     if long_past:
-        (c, by_s), = t["latency_ms_by_s_at"]
-        assert c == long_past and len(by_s) == VERIFY_SIZES and all(x > 0 for x in by_s)
+        assert timed == [(sizes, past, long_past + VERIFY_SIZES), (sizes, long_past, long_past + VERIFY_SIZES)]
+        assert [c for c, _ in t["latency_ms_by_s_at"]] == [past, long_past]
+        assert all(len(by_s) == VERIFY_SIZES and all(x > 0 for x in by_s) for _, by_s in t["latency_ms_by_s_at"])
         assert lat.context == past and [c for c, _ in lat.target_at] == [long_past]
+        assert lat.target(1) == t["latency_ms_by_s_at"][0][1][0]
     else:
-        assert "latency_ms_by_s_at" not in t and lat.target_at == ()
+        assert timed == [] and "latency_ms_by_s_at" not in t and lat.target_at == ()

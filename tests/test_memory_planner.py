@@ -71,10 +71,10 @@ def test_export_measured_curve_shapes_the_default():
 
 
 def test_export_measured_contexts_price_long_chats_without_a_calibration():
-    """An export that timed the target at two contexts (latency_ms_by_s at latency_context, latency_ms_by_s_at
-    further out): without a calibration the planner interpolates between them, each scaled like the base curve to
-    latency_ms_s1; a calibration's own target curve replaces both; malformed or single-context stats price every
-    context alike, as before."""
+    """An export that timed the target at two contexts (latency_ms_by_s_at): without a calibration the planner's
+    target curve is the shorter one, and it interpolates between the two (extending beyond at their slope); a
+    calibration's own target curve replaces both; malformed or single-context figures leave the export's one-call
+    curve (latency_ms_s1 times its shape) at every context, as before."""
     from dataclasses import replace
 
     from memory.planner import export_contexts
@@ -84,26 +84,25 @@ def test_export_measured_contexts_price_long_chats_without_a_calibration():
                                        for g in M.graphs))
 
     short, long = [10.0, 12.0, 13.0, 14.0, 15.0, 16.0, 17.0, 18.0], [20.0, 24.0, 25.0, 27.0, 29.0, 31.0, 33.0, 36.0]
-    m = with_stats(latency_ms_s1=5.0, latency_ms_by_s=short, latency_context=128, latency_ms_by_s_at=[[1024, long]])
+    base = {"latency_ms_s1": 5.0, "latency_ms_by_s": [5.0, 6.0]}  # the numpy-fed one-call curve, not used here
+    m = with_stats(**base, latency_ms_by_s_at=[[1024, long], [128, short]])
     lat = Latency.from_calibration(m)
     assert lat.context == 128 and [c for c, _ in lat.target_at] == [1024]
-    half = 128 + (1024 - 128) // 2  # 576: halfway, so each point is the mean of the two curves (scaled by 5/10)
+    half = 128 + (1024 - 128) // 2  # 576: halfway, so each point is the mean of the two curves
     for s in range(1, 9):
-        assert lat.target_for(128)(s) == pytest.approx(5.0 * short[s - 1] / 10.0)
-        assert lat.target_for(1024)(s) == pytest.approx(5.0 * long[s - 1] / 10.0)
-        assert lat.target_for(half)(s) == pytest.approx(5.0 * (short[s - 1] + long[s - 1]) / 20.0)
-    assert lat.target_for(1024 + 896)(1) == pytest.approx(5.0 * (2 * long[0] - short[0]) / 10.0)  # the slope, beyond
+        assert lat.target_for(128)(s) == pytest.approx(short[s - 1])
+        assert lat.target_for(1024)(s) == pytest.approx(long[s - 1])
+        assert lat.target_for(half)(s) == pytest.approx((short[s - 1] + long[s - 1]) / 2)
+    assert lat.target_for(1024 + 896)(1) == pytest.approx(2 * long[0] - short[0])  # their slope, beyond
     own = Latency.from_calibration(m, {"target": [[1, 7.0], [8, 9.0]]})  # a calibration measured on this host
     assert own.target_for(4096)(1) == 7.0 and own.context is None and own.target_at == ()
-    for bad in ({"latency_ms_by_s_at": [[128, long]]}, {"latency_ms_by_s_at": [[1024, long[:1]]]},
-                {"latency_ms_by_s_at": [["1024", long]]}, {"latency_ms_by_s_at": [[1024, [1.0, -2.0]]]},
-                {"latency_ms_by_s_at": {"1024": long}}, {"latency_context": True}, {"latency_ms_s1": "5"},
-                {"latency_ms_by_s_at": []}, {"latency_ms_by_s": None}):
-        stats = {"latency_ms_s1": 5.0, "latency_ms_by_s": short, "latency_context": 128,
-                 "latency_ms_by_s_at": [[1024, long]], **bad}
-        assert export_contexts(stats) == (None, []), bad
-        assert Latency.from_calibration(with_stats(**stats)).target_for(4096) == \
-            Latency.from_calibration(with_stats(**stats)).target_for(128)
+    assert Latency.from_calibration(m, {"context": 300}).target(1) == 5.0  # a context for the one-call curve
+    for bad in ([[128, short]], [[128, short], [128, long]], [[128, short], [1024, long[:1]]],
+                [["128", short], [1024, long]], [[128, short], [1024, [1.0, -2.0]]], [[True, short], [1024, long]],
+                {"128": short, "1024": long}, [], None, [[128, short], [1024, [1.0, float("nan")]]]):
+        assert export_contexts({**base, "latency_ms_by_s_at": bad}) == [], bad
+        lat = Latency.from_calibration(with_stats(**base, latency_ms_by_s_at=bad))
+        assert lat.target_for(4096)(1) == lat.target_for(128)(1) == 5.0 and lat.target(2) == pytest.approx(6.0)
 
 
 def test_latency_grows_with_the_context_between_measured_contexts():
