@@ -74,6 +74,16 @@ def test_host_detection():
 GIB, USED, CACHE = "1073741824", "805306368", "536870912"  # 1 GiB limit, 768 MiB used of which 512 MiB page cache
 
 
+def fake_cgroup(tmp_path, monkeypatch, own: str, files: dict) -> None:
+    """A cgroup tree under tmp_path (`files`: path → text) and /proc/self/cgroup reading `own`."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "self-cgroup").write_text(own)
+    monkeypatch.setattr(devices, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(devices, "PROC_SELF_CGROUP", tmp_path / "self-cgroup")
+
+
 @pytest.mark.parametrize("own,files,left_mb", [
     ("0::/\n", {"memory.max": GIB + "\n", "memory.current": USED + "\n"}, 256),  # cgroup v2
     ("0::/\n", {"memory.max": GIB, "memory.current": USED, "memory.stat": f"anon 1\ninactive_file {CACHE}\n"},
@@ -99,12 +109,7 @@ GIB, USED, CACHE = "1073741824", "805306368", "536870912"  # 1 GiB limit, 768 Mi
 def test_host_budget_stays_inside_a_containers_memory_limit(tmp_path, monkeypatch, own, files, left_mb):
     """psutil reports the machine's RAM: inside a container limited to 1 GiB on a large machine the host budget
     was half of the machine's free RAM, and the process was killed at the container's limit instead."""
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    (tmp_path / "self-cgroup").write_text(own)
-    monkeypatch.setattr(devices, "CGROUP_ROOT", tmp_path)
-    monkeypatch.setattr(devices, "PROC_SELF_CGROUP", tmp_path / "self-cgroup")
+    fake_cgroup(tmp_path, monkeypatch, own, files)
     h = detect_host()
     if left_mb is not None:
         avail = psutil.virtual_memory().available >> 20

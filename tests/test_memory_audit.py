@@ -409,12 +409,9 @@ def test_round_trip_keeps_the_draft_count():
 
 # ------------------------------------------------------------------------------------------- devices
 def _cgroup(tmp_path, monkeypatch, own, files):
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    (tmp_path / "self-cgroup").write_text(own)
-    monkeypatch.setattr(devices, "CGROUP_ROOT", tmp_path)
-    monkeypatch.setattr(devices, "PROC_SELF_CGROUP", tmp_path / "self-cgroup")
+    from test_devices import fake_cgroup
+
+    fake_cgroup(tmp_path, monkeypatch, own, files)
     return devices.cgroup_memory()
 
 
