@@ -167,23 +167,30 @@ class _Progress:
 
 # ---------------------------------------------------------------------------------------------- latency
 def call_latency(session, sizes: list[int], context: int, reps: int, prog=None) -> list[list[float]]:
-    """[[S, median ms], ...] of one call of S rows after `context` committed tokens (nothing is committed)."""
+    """[[S, median ms], ...] of one call of S rows after `context` committed tokens (nothing is committed), for the
+    widths of `sizes` up to the first that does not fit. The widths take turns, one call each per round: a slow
+    spell of the host (another process, a frequency change) then lands on every width alike instead of making one
+    look cheaper than a narrower one."""
     session.cache.trim(session.cache.length)
     ids = [(7 * i) % 97 + 3 for i in range(context)]
     session.prefill(ids)
-    out = []
+    fit = []
     for s in sizes:
         if session.cache.room() < s:
             break
-        toks = [(5 * i) % 89 + 3 for i in range(s)]
-        session.forward(toks)  # warm-up: the arena grows to this width once
-        ts = []
-        for _ in range(reps):
+        fit.append(s)
+    toks = {s: [(5 * i) % 89 + 3 for i in range(s)] for s in fit}
+    for s in fit:
+        session.forward(toks[s])  # warm-up: the arena grows to this width once
+    ts = {s: [] for s in fit}
+    for _ in range(reps):
+        for s in fit:
             t = time.perf_counter()
-            session.forward(toks)
-            ts.append(1000 * (time.perf_counter() - t))
-        out.append([s, round(med(ts), 3)])
-        if prog:
+            session.forward(toks[s])
+            ts[s].append(1000 * (time.perf_counter() - t))
+    out = [[s, round(med(ts[s]), 3)] for s in fit]
+    if prog:
+        for s in fit:
             prog.step(f"latency S={s}")
     session.cache.trim(session.cache.length)
     return out

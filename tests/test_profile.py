@@ -695,3 +695,39 @@ def test_png_plot_is_a_valid_image_with_the_series_drawn(tmp_path):
     assert (31, 119, 180) in colours and (214, 39, 40) in colours  # both series' palette colours appear
     with pytest.raises(ValueError, match="nothing to plot"):
         plot_png(tmp_path / "y.png", {})
+
+
+def test_call_latency_takes_turns_so_a_slow_spell_lands_on_every_width(monkeypatch):
+    """A host that is slow for a while (another process, here the first 9 timed calls cost 50 ms more): each round
+    times every width once, so the spell reaches them alike and no width looks cheaper than a narrower one. Timing
+    each width's repeats in a block priced S = 1 (timed first) above S = 4."""
+    import edge.profile as prof
+
+    clock = [0.0]
+    calls = []
+
+    class Cache:
+        length, capacity = 0, 64
+
+        def trim(self, n):
+            self.length -= n
+
+        def room(self):
+            return self.capacity - self.length
+
+    class Session:
+        cache = Cache()
+
+        def prefill(self, ids):
+            self.cache.length += len(ids)
+
+        def forward(self, toks):
+            calls.append(len(toks))
+            clock[0] += (10.0 + len(toks) + (50.0 if 4 <= len(calls) < 13 else 0.0)) / 1000  # 3 warm-ups first
+
+    monkeypatch.setattr(prof.time, "perf_counter", lambda: clock[0])
+    out = prof.call_latency(Session(), [1, 2, 4, 64], context=8, reps=7)
+    assert [s for s, _ in out] == [1, 2, 4]  # 64 rows do not fit beside 8 cached tokens
+    assert calls == [1, 2, 4] + [1, 2, 4] * 7  # warm-ups, then the widths in turn
+    assert [ms for _, ms in out] == pytest.approx([11.0, 12.0, 14.0])  # 3 of each width's 7 calls were slow
+    assert Session.cache.length == 0  # nothing committed
