@@ -297,3 +297,13 @@ def test_an_unseeded_model_drafter_drafts_from_its_distribution_cut_as_the_reque
     monkeypatch.setattr(ModelDrafter, "draft", draft)
     fresh.generate(PROMPT, max_tokens=12, temperature=1.0, drafter="model", draft_len=3, **kw)
     assert qs and all(q.max() == 1.0 for q in qs)
+
+
+def test_unseeded_sampling_differs_between_requests_and_a_seed_repeats(fresh):
+    """seed=None draws fresh randomness per request (a mutation seeding it with 0 passed every fast test); the same
+    seed repeats its answer. On the tiny random model the next-token distribution is nearly flat over its vocabulary,
+    so two unseeded 16-token answers coincide with negligible probability."""
+    runs = [fresh.generate(PROMPT, max_tokens=16, temperature=1.0).token_ids for _ in range(3)]
+    assert len({tuple(r) for r in runs}) > 1
+    a, b = (fresh.generate(PROMPT, max_tokens=16, temperature=1.0, seed=7).token_ids for _ in range(2))
+    assert a == b
