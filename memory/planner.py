@@ -78,11 +78,16 @@ def export_verify_shape(stats: Mapping[str, Any]) -> tuple[tuple[int, float], ..
     return tuple((i + 1, float(r)) for i, r in enumerate(ratios))
 
 
+def _is_ms(v) -> bool:
+    """A positive, finite number (not a bool, a string or NaN): a time a manifest may record."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+
+
 def stat_ms(stats: Mapping[str, Any], key: str) -> float | None:
     """A positive, finite number of ms the export recorded under `key`, else None (absent, or a hand-edited
     manifest's string or NaN: the caller's default applies instead of a traceback)."""
     v = stats.get(key)
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf else None
+    return float(v) if _is_ms(v) else None
 
 
 def export_contexts(stats: Mapping[str, Any]) -> list[tuple[int, list[list[float]]]]:
@@ -93,8 +98,7 @@ def export_contexts(stats: Mapping[str, Any]) -> list[tuple[int, list[list[float
 
     def ok(c, by_s) -> bool:
         return isinstance(c, int) and not isinstance(c, bool) and c >= 1 and isinstance(by_s, list) \
-            and len(by_s) >= 2 and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                       and 0 < x < math.inf for x in by_s)
+            and len(by_s) >= 2 and all(map(_is_ms, by_s))
 
     if not isinstance(at, list) or len(at) < 2 or not all(isinstance(p, list) and len(p) == 2 and ok(*p) for p in at) \
             or len({c for c, _ in at}) != len(at):
