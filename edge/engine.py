@@ -24,8 +24,8 @@ from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
 
 from memory.acceptance import MEASURED_TOKEN_PRIORS, AcceptanceStats, TokenAcceptance
 from memory.footprint import PREFILL_CHUNK, drafter_graph, top1_agreement
-from memory.planner import (DEFAULT_PRIORS, MAX_CHAIN, LatencyCurve, best_chain_length, best_prefix,
-                            export_verify_shape, fullest, plain_call_rows, stat_ms)
+from memory.planner import (DEFAULT_PRIORS, MAX_CHAIN, Latency, LatencyCurve, best_chain_length, best_prefix,
+                            fullest, plain_call_rows)
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .errors import EngineError  # re-exported: edge.EngineError, edge.engine.EngineError
@@ -316,7 +316,7 @@ class Engine:
         self._calls_at: dict[int, dict[int, float]] = {}
         self._call_ms: dict[int, float] = {}  # the current bucket's
         self.head_hits = self.head_misses = 0  # sampled rows whose p came from the on-graph head / from the logits
-        self._curve = None
+        self._curves: dict[int, LatencyCurve] = {}  # reference call times by width, per context bucket
         self._draft_ms = 0.0  # model drafter: ms per drafted token (EMA)
         self._idle: dict[str, int] = {}  # steps since the last probe on which the adaptive length chose K = 0
         # memory planning: with a device profile or budget, the plan picks drafter and K and is re-made for every
@@ -398,20 +398,32 @@ class Engine:
         return kind, n
 
     def _verify_ms(self, s: int) -> float:
-        """Mean call time at width s measured at about this context, else the export's measured curve (or the
-        default one) scaled to the narrowest call measured at about this context (else to the export's one-row
-        time)."""
+        """Mean call time at width s measured at about this context, else the reference curve at this context
+        (`_reference_curve`) scaled to the narrowest call measured at about this context (else as it is)."""
         calls = self._call_ms
         if s in calls:
             return calls[s]
-        if self._curve is None:  # relative to one row
-            self._curve = LatencyCurve.scaled(1.0, export_verify_shape(self.manifest.target.stats))
+        ref = self._reference_curve()
         if calls:
             w = min(calls)
-            t1 = calls[w] / self._curve(w)
-        else:
-            t1 = stat_ms(self.manifest.target.stats, "latency_ms_s1") or 9.0
-        return t1 * self._curve(s)
+            return calls[w] * ref(s) / ref(w)
+        return ref(s)
+
+    def _reference_curve(self) -> LatencyCurve:
+        """What a call of each width costs at the current context before any is timed there, as the planner prices
+        it (`Latency.target_for`): a calibration's target curves (edge-profile on this device), else the export's
+        engine-way timings at two contexts, else its one-row time and curve at 128 tokens (or the defaults). Kept
+        per context bucket: the first context seen in a bucket prices it."""
+        bucket = self.target.cache.length.bit_length()
+        curve = self._curves.get(bucket)
+        if curve is None:
+            cal = (getattr(self.profile, "calibration", None) or {}).get("latency")
+            try:
+                lat = Latency.from_calibration(self.manifest, cal)
+            except ValueError:  # a calibration the planner would refuse too: the export's own figures
+                lat = Latency.from_calibration(self.manifest)
+            curve = self._curves[bucket] = lat.target_for(max(1, self.target.cache.length))
+        return curve
 
     def call_widths(self) -> set[int]:
         """Widths of the decode calls this engine has timed, at any context."""

@@ -6,6 +6,8 @@ requests fail clearly.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -482,14 +484,46 @@ def test_unmeasured_call_widths_follow_the_exports_latency_curve(tiny_dir):
     t = e.manifest.target
     flat = replace(t, stats={**t.stats, "latency_ms_by_s": [5.0, 5.5, 5.0, 6.0, 6.5, 7.0, 7.5, 8.0]})
     e.manifest = replace(e.manifest, graphs=(flat,) + tuple(g for g in e.manifest.graphs if g.role != "target"))
-    e._curve = None
+    e._curves.clear()
     assert e.manifest.target.stats["latency_ms_by_s"][0] == 5.0
     assert [round(e._verify_ms(s), 6) for s in (1, 2, 3, 8)] == [10.0, 11.0, 11.0, 16.0]
     e._call_ms[8] = 30.0  # a measured width wins
     assert e._verify_ms(8) == 30.0
     e.manifest = replace(e.manifest, graphs=(replace(t, stats={}),) + e.manifest.graphs[1:])
-    e._curve = None
+    e._curves.clear()
     assert e._verify_ms(16) == pytest.approx(LatencyCurve.scaled(10.0, DEFAULT_VERIFY_SHAPE)(16))
+
+
+def test_first_call_prices_follow_the_exports_timings_at_this_context(tiny_dir):
+    """Before any call is timed at a context, a width is priced as the planner prices it there: the export's
+    engine-way timings at two contexts (latency_ms_by_s_at), interpolated in the context, not its 128-token curve
+    (numpy-fed: its wide calls looked 20% cheaper than the engine's own). A calibration's curves come first."""
+    from dataclasses import replace
+
+    e = edge.load(tiny_dir, drafter="none", context=256)
+    t = e.manifest.target
+    short, long = [10.0 + 2 * s for s in range(8)], [20.0 + 1 * s for s in range(8)]  # ms for S = 1..8
+    timed = replace(t, stats={**t.stats, "latency_ms_s1": 99.0, "latency_ms_by_s": [99.0 + s for s in range(8)],
+                              "latency_ms_by_s_at": [[64, short], [192, long]]})
+    e.manifest = replace(e.manifest, graphs=(timed,) + tuple(g for g in e.manifest.graphs if g.role != "target"))
+
+    def price(length, calls=None):
+        e.target.cache.length = length
+        e._call_ms = dict(calls or {})
+        return [e._verify_ms(s) for s in (1, 4, 8)]
+
+    saved = e.target.cache.length, e.profile
+    try:
+        assert price(40) == pytest.approx([10.0, 16.0, 24.0])  # below the first context: its curve
+        assert price(128) == pytest.approx([15.0, 19.5, 25.5])  # halfway: the mean of the two curves (own bucket)
+        assert price(200) == pytest.approx([15.0, 19.5, 25.5])  # same bucket (128..255): as first priced, at 128
+        assert price(130, {1: 30.0}) == pytest.approx([30.0, 39.0, 51.0])  # scaled to the narrowest call timed
+        e._curves.clear()
+        e.profile = SimpleNamespace(calibration={"latency": {"target": [[1, 5.0], [8, 12.0]], "context": 100}})
+        assert price(128) == pytest.approx([5.0, 8.0, 12.0])  # this device's calibration wins
+    finally:
+        e.target.cache.length, e.profile = saved
+        e._curves.clear()
 
 
 def test_call_times_are_kept_per_context(tiny_dir):
