@@ -11,6 +11,7 @@ the top-k cut and at the top-p cut, so a given logits row always yields the same
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Callable
 
 import numpy as np
@@ -24,7 +25,8 @@ def _check_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError(
             f"temperature must be a finite number >= 0 (0 means greedy), got {temperature!r}"
         )
-    if int(top_k) != top_k or top_k < 0:
+    # int(inf) raises OverflowError and int(nan) an unnamed ValueError: check finiteness first
+    if not (isinstance(top_k, numbers.Real) and math.isfinite(top_k)) or int(top_k) != top_k or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 disables top-k), got {top_k!r}")
     if not (0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1] (1 disables top-p), got {top_p!r}")
