@@ -313,7 +313,8 @@ def speed_sweep(engine, items, configs: list[tuple[str, str | None, int | None]]
                 # "unmanaged": the engine's default) runs without one, so nothing caps what it measures
                 engine.plan = plan0 if label == "plan" else None
                 r = engine.generate(it["turns"][0], max_tokens=max_tokens, drafter=drafter, draft_len=k)
-                runs[label].append(r.stats.decode_tok_s)
+                # a one-token answer has no decode speed (the engine says 0.0): None, left out as edge-bench does
+                runs[label].append(r.stats.decode_tok_s if r.stats.generated > 1 else None)
                 if label != "none":
                     after = after or engine.drafter_state()
                 if prog:
@@ -323,15 +324,18 @@ def speed_sweep(engine, items, configs: list[tuple[str, str | None, int | None]]
     return summarize_speed(runs)
 
 
-def summarize_speed(runs: dict[str, list[float]]) -> dict:
+def summarize_speed(runs: dict[str, list[float | None]]) -> dict:
     """Per config: median tokens/s, and the median over (prompt, repeat) blocks of its ratio to plain decoding in
-    the same block — the machine's drift between blocks cancels in the ratio."""
+    the same block — the machine's drift between blocks cancels in the ratio. A run without a speed (None: a
+    one-token answer) counts in neither."""
     base = runs["none"]
     out = {}
     for label, v in runs.items():
-        ratios = [x / b for x, b in zip(v, base) if b > 0]
-        out[label] = {"tok_s": round(med(v), 2), "ratio_vs_none": round(med(ratios), 3) if ratios else None,
-                      "runs": [round(x, 2) for x in v]}
+        ratios = [x / b for x, b in zip(v, base) if x is not None and b]
+        speeds = [x for x in v if x is not None]
+        out[label] = {"tok_s": round(med(speeds), 2) if speeds else None,
+                      "ratio_vs_none": round(med(ratios), 3) if ratios else None,
+                      "runs": [None if x is None else round(x, 2) for x in v]}
     return out
 
 
@@ -391,7 +395,7 @@ def write_plots(out: Path, doc: dict) -> list[str]:
             # the ratio to plain decoding in the same (prompt, repeat) block: robust to the machine's drift
             series = {}
             for label, v in sp["results"].items():
-                if label.startswith(f"{kind}:"):
+                if label.startswith(f"{kind}:") and v["ratio_vs_none"] is not None:  # None: no block had both speeds
                     d, k = label.split(":")[1:]
                     series.setdefault(d, []).append((int(k), v["ratio_vs_none"]))
             if not series:
@@ -399,7 +403,9 @@ def write_plots(out: Path, doc: dict) -> list[str]:
             xs = sorted({x for s in series.values() for x, _ in s})
             series["plain"] = [(xs[0], 1.0), (xs[-1], 1.0)]
             pl, res = sp["plan"], sp["results"]
-            series[f"~planner {pl['drafter']} K<={pl['nodes']}"] = [(max(pl["nodes"], 1), res["plan"]["ratio_vs_none"])]
+            if res["plan"]["ratio_vs_none"] is not None:
+                series[f"~planner {pl['drafter']} K<={pl['nodes']}"] = [(max(pl["nodes"], 1),
+                                                                          res["plan"]["ratio_vs_none"])]
             made.append(plot_png(out / fname, series, title=f"DECODE SPEED VS {xl} (X PLAIN, BLOCK MEDIANS)",
                                  xlabel=xl, ylabel="X PLAIN DECODING", logx=True).name)
     return made
@@ -736,8 +742,9 @@ def specmemo_pair(points: dict, k_plan: int, k_top: int, speed: dict | None) -> 
         top = next((v[key] for lab, v in res.items() if lab.endswith(f":{k_top}")
                     and lab.split(":")[1] == speed["plan"]["drafter"]), None)
         if top is None:
-            top = max((v[key] for lab, v in res.items() if lab.endswith(f":{k_top}")), default=None)
-        if top:
+            top = max((v[key] for lab, v in res.items() if lab.endswith(f":{k_top}") and v[key] is not None),
+                      default=None)
+        if top and res["plan"][key] is not None:  # None: no run of that config had a speed
             d["throughput_kept_pct"] = round(100 * res["plan"][key] / top, 1)
     return d
 
