@@ -30,7 +30,8 @@ def eos_ids(model_dir: str) -> set[int]:
             e = json.load(f)["model"]["eos_token_id"]
     except (OSError, ValueError, KeyError, TypeError):
         return set()
-    return {int(x) for x in (e if isinstance(e, list) else [e])}
+    # the usable ids only: a null or a name among them (a hand-edited config) is no end token, not a crash
+    return {x for x in (e if isinstance(e, list) else [e]) if isinstance(x, int) and not isinstance(x, bool)}
 
 
 def generate(og, model, ids: list[int], max_new: int, spec: dict | None, eos: set[int]) -> dict:
