@@ -152,7 +152,7 @@ def genai_peer(monkeypatch, tmp_path):
     monkeypatch.delenv("FAKE_GENAI_FAIL_AFTER", raising=False)
     monkeypatch.delenv("FAKE_GENAI_EOS_AFTER", raising=False)
     p = peer.Peer(sys.executable, str(tmp_path), 2)
-    watchdog = threading.Timer(10, p._p.kill)  # a request that never reaches the worker fails, not hangs
+    watchdog = threading.Timer(60, p._p.kill)  # a request that never reaches the worker fails, not hangs
     watchdog.start()
     yield p
     watchdog.cancel()
