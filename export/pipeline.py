@@ -589,23 +589,25 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
 def _time_contexts(m: Manifest, part: Path, past: int, threads: int, reps: int = 7) -> Manifest:
     """`m` with the target timed the way the engine runs it (IOBinding over one preallocated cache) at S = 1..8 over
     `past` cached tokens and over VERIFY_LONG_CONTEXT (or what max_len leaves room for): latency_ms_by_s_at, which
-    the planner prices long chats from without a calibration. Skipped when the graph has no room for twice `past`
-    (too close to tell a slope from noise). The numpy-fed timings above copy the cache into every call's outputs:
-    one row over 1,024 tokens measured 27.2 ms that way against 22.4 ms the engine's way (medians of 4 alternating
-    rounds on the 2-core dev VM), 16.2 against 12.7 over 128."""
+    the planner prices long chats from without a calibration; each drafter graph likewise over `past`, so that a
+    model drafter is priced on the same scale as the target it saves calls of. Skipped when the graph has no room
+    for twice `past` (too close to tell a slope from noise). The numpy-fed timings above copy the cache into every
+    call's outputs: one row over 1,024 tokens measured 27.2 ms that way against 22.4 ms the engine's way (medians
+    of 4 alternating rounds on the 2-core dev VM), 16.2 against 12.7 over 128."""
     from edge.profile import call_latency
     from edge.runner import open_session
 
-    t = m.target
-    long_past = min(VERIFY_LONG_CONTEXT, t.max_len - VERIFY_SIZES)
+    long_past = min(VERIFY_LONG_CONTEXT, m.target.max_len - VERIFY_SIZES)
     if long_past < 2 * past:
         return m
     sizes = list(range(1, VERIFY_SIZES + 1))
-    sess = open_session(str(part / t.file), m, t, long_past + VERIFY_SIZES, threads)
-    curves = [[c, [ms for _, ms in call_latency(sess, sizes, c, reps)]] for c in (past, long_past)]
-    del sess
-    t = replace(t, stats={**t.stats, "latency_ms_by_s_at": curves})
-    return replace(m, graphs=tuple(t if g is m.target else g for g in m.graphs))
+
+    def timed(g: GraphEntry, contexts: tuple[int, ...]) -> GraphEntry:
+        sess = open_session(str(part / g.file), m, g, contexts[-1] + VERIFY_SIZES, threads)
+        curves = [[c, [ms for _, ms in call_latency(sess, sizes, c, reps)]] for c in contexts]
+        return replace(g, stats={**g.stats, "latency_ms_by_s_at": curves})
+
+    return replace(m, graphs=tuple(timed(g, (past, long_past) if g is m.target else (past,)) for g in m.graphs))
 
 
 def _ours(d: Path, marker: str) -> bool:

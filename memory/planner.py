@@ -90,17 +90,18 @@ def stat_ms(stats: Mapping[str, Any], key: str) -> float | None:
     return float(v) if _is_ms(v) else None
 
 
-def export_contexts(stats: Mapping[str, Any]) -> list[tuple[int, list[list[float]]]]:
-    """The target's curves the export timed the engine's way at two or more contexts (`latency_ms_by_s_at`:
+def export_contexts(stats: Mapping[str, Any], least: int = 2) -> list[tuple[int, list[list[float]]]]:
+    """The curves the export timed the engine's way at `least` or more contexts (`latency_ms_by_s_at`:
     [[context, [ms for S = 1..8]], ...]) as [(context, [[S, ms], ...]), ...]; [] when it recorded none or its
-    figures are unusable (older exports; a hand-edited manifest): every context is then priced alike."""
+    figures are unusable (older exports; a hand-edited manifest). The target's need two (else every context is
+    priced alike), a drafter's one."""
     at = stats.get("latency_ms_by_s_at")
 
     def ok(c, by_s) -> bool:
         return isinstance(c, int) and not isinstance(c, bool) and c >= 1 and isinstance(by_s, list) \
             and len(by_s) >= 2 and all(map(_is_ms, by_s))
 
-    if not isinstance(at, list) or len(at) < 2 or not all(isinstance(p, list) and len(p) == 2 and ok(*p) for p in at) \
+    if not isinstance(at, list) or len(at) < least or not all(isinstance(p, list) and len(p) == 2 and ok(*p) for p in at) \
             or len({c for c, _ in at}) != len(at):
         return []
     return sorted((c, [[i + 1, float(x)] for i, x in enumerate(by_s)]) for c, by_s in at)
@@ -184,7 +185,8 @@ class Latency:
         ...]}, "lookup_ms", "recycling_ms", "overhead_ms", "context": cached tokens those curves were measured at,
         "target_at": [[context, [[S, ms], ...]], ...]}. No target curve (and no context): the export's own curves
         at two contexts (`export_contexts`), else its latency_ms_s1 (or DEFAULT_T1_MS) times its measured shape
-        (`export_verify_shape`) at every context."""
+        (`export_verify_shape`) at every context. A drafter graph with no curve here: the export's engine-way
+        curve of it (timed beside the target's), else its latency_ms_s1 (numpy-fed) times the default shape."""
         d = dict(d or {})
         known = {"target", "drafters", "lookup_ms", "recycling_ms", "overhead_ms", "context", "target_at"}
         bad = sorted(set(d) - known)
@@ -211,6 +213,8 @@ class Latency:
         for g in manifest.drafters:
             if g.name in measured:
                 curves[g.name] = measured[g.name]
+            elif own := export_contexts(g.stats, least=1):  # timed the engine's way at export, as the target's curves above
+                curves[g.name] = LatencyCurve(tuple(map(tuple, own[0][1])))
             else:  # no export-time number either: scale the target by the layer ratio
                 t1 = stat_ms(g.stats, "latency_ms_s1") or target(1) * g.layers / max(manifest.target.layers, 1)
                 curves[g.name] = LatencyCurve.scaled(t1)

@@ -334,7 +334,8 @@ def test_target_latency_is_timed_at_a_long_context_when_the_graph_has_room(tmp_p
                                                                           max_len, long_past):
     """The export times the target the engine's way at S = 1..8 over 128 cached tokens (fewer when --max-len leaves
     no room) and over up to 1,024 when the graph holds at least twice that first context; the manifest records
-    both, and the planner prices contexts between them from it without a calibration."""
+    both, and the planner prices contexts between them from it without a calibration. Each drafter graph is timed
+    the same way over the first context, and the planner prices it from that rather than its numpy-fed figure."""
     import edge.profile
     from export.pipeline import VERIFY_SIZES, export_model
     from memory.planner import Latency
@@ -343,20 +344,26 @@ def test_target_latency_is_timed_at_a_long_context_when_the_graph_has_room(tmp_p
     real = edge.profile.call_latency
 
     def spy(session, sizes, context, reps, prog=None):
-        timed.append((list(sizes), context, session.cache.capacity))
+        timed.append((list(sizes), context, session.cache.capacity, session.vocab))
         return real(session, sizes, context, 1, prog)
 
     monkeypatch.setattr(edge.profile, "call_latency", spy)
-    m = export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(max_len=max_len, drafters=(), distill=False,
+    m = export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(max_len=max_len, distill=False,
                                                                          parity=False), progress=False)
-    t = m.target.stats
+    t, (d,) = m.target.stats, m.drafters
     past, sizes = min(128, max_len - VERIFY_SIZES), list(range(1, VERIFY_SIZES + 1))
     lat = Latency.from_calibration(m)
     if long_past:
-        assert timed == [(sizes, past, long_past + VERIFY_SIZES), (sizes, long_past, long_past + VERIFY_SIZES)]
+        cap = long_past + VERIFY_SIZES
+        assert timed == [(sizes, past, cap, VOCAB), (sizes, long_past, cap, VOCAB),
+                         (sizes, past, past + VERIFY_SIZES, d.vocab)]
         assert [c for c, _ in t["latency_ms_by_s_at"]] == [past, long_past]
         assert all(len(by_s) == VERIFY_SIZES and all(x > 0 for x in by_s) for _, by_s in t["latency_ms_by_s_at"])
         assert lat.context == past and [c for c, _ in lat.target_at] == [long_past]
         assert lat.target(1) == t["latency_ms_by_s_at"][0][1][0]
+        (c, by_s), = d.stats["latency_ms_by_s_at"]
+        assert c == past and len(by_s) == VERIFY_SIZES and all(x > 0 for x in by_s)
+        assert [lat.drafters[d.name](s) for s in sizes] == by_s
     else:
         assert timed == [] and "latency_ms_by_s_at" not in t and lat.target_at == ()
+        assert "latency_ms_by_s_at" not in d.stats and lat.drafters[d.name](1) == d.stats["latency_ms_s1"]

@@ -105,6 +105,31 @@ def test_export_measured_contexts_price_long_chats_without_a_calibration():
         assert lat.target_for(4096)(1) == lat.target_for(128)(1) == 5.0 and lat.target(2) == pytest.approx(6.0)
 
 
+def test_a_drafter_is_priced_from_its_engine_way_timing_at_export():
+    """A drafter graph the export timed the engine's way (latency_ms_by_s_at, one context) is priced from that
+    curve, on the target's scale, not from its numpy-fed latency_ms_s1; a calibration's own curve of it wins;
+    unusable figures leave latency_ms_s1 times the default shape."""
+    from dataclasses import replace
+
+    from memory.planner import export_contexts
+
+    def with_drafter(**stats):
+        return replace(M, graphs=tuple(replace(g, stats={**g.stats, **stats}) if g.name == DRAFT else g
+                                       for g in M.graphs))
+
+    way = [2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0]
+    m = with_drafter(latency_ms_s1=9.0, latency_ms_by_s_at=[[128, way]])
+    stats = next(g for g in m.drafters if g.name == DRAFT).stats
+    assert export_contexts(stats, least=1) == [(128, [[s, x] for s, x in enumerate(way, 1)])]
+    assert export_contexts(stats) == []  # the target's need two contexts
+    lat = Latency.from_calibration(m)
+    assert [lat.drafters[DRAFT](s) for s in range(1, 9)] == way and lat.drafters[DRAFT](16) == 12.0
+    assert Latency.from_calibration(m, CAL["latency"]).drafters[DRAFT](1) == 0.8
+    for bad in ([], [[128, way[:1]]], [[0, way]], [[128, [1.0, float("inf")]]], "fast"):
+        lat = Latency.from_calibration(with_drafter(latency_ms_s1=9.0, latency_ms_by_s_at=bad))
+        assert lat.drafters[DRAFT](1) == 9.0, bad
+
+
 def test_latency_grows_with_the_context_between_measured_contexts():
     """Curves measured at several contexts: linear in the context between them, extended past the last at the
     growth per token between the first and the last (never downward), flat below the first; one context (or none
