@@ -106,7 +106,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "them as the chat grows")
     group.add_argument("--calibration", metavar="JSON",
                        help="edge-profile's calibration.json for the planner (measured latency, acceptance, memory "
-                            "baseline); default: the one `edge-profile --install` left for this model, if any")
+                            "baseline); default, when the planner runs on the host profile (--budget-mb without "
+                            "--device, or --device host): the one `edge-profile --install` left for this model, if any")
     group.add_argument("--simulate", action="store_true",
                        help="run a device profile whose execution provider is not installed on the CPU (same budget "
                             "and shape limits)")

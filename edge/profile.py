@@ -116,7 +116,8 @@ def _parser() -> argparse.ArgumentParser:
                          "context the chat reaches, from a first unconstrained pass)")
     ap.add_argument("--install", action="store_true",
                     help="also copy calibration.json to $EDGESPEC_HOME/calibration/<model dir name>.json, which "
-                         "edge.load / edge-chat use when no --calibration is given")
+                         "edge.load / edge-chat / edge-serve use when no --calibration is given and the planner runs "
+                         "on the host profile (--budget-mb without --device, or --device host)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap
 
