@@ -15,7 +15,8 @@ Steps (--steps, default all):
               budget below plain decoding's bound (which must be refused with a clear error)
 
 Writes OUT/calibration.json (sections memory, latency, acceptance: what `edge-chat --calibration` and the planner
-read; `--install` also puts it where edge.load finds it by itself), OUT/profile.json (every measurement) and PNG
+read; `--install` also puts it where edge.load finds it by itself; a run of some --steps keeps the other sections
+of an earlier calibration.json in OUT measured on the same export), OUT/profile.json (every measurement) and PNG
 plots. Asserts nothing about speed.
 """
 from __future__ import annotations
