@@ -601,9 +601,10 @@ def _parser() -> argparse.ArgumentParser:
                          "(for measuring what reuse saves)")
     ap.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                     help="let web pages of this origin (e.g. https://chat.example.org, or * for any) call the API; "
-                         "repeatable. Pages served from this machine (http://localhost:*, 127.0.0.1, [::1], app:// and "
-                         "file:// pages of desktop shells) are always allowed, others are refused with 403 (default: "
-                         "none). Clients that are not browsers send no Origin and are never refused")
+                         "repeatable. Pages served from this machine (http(s) on localhost, 127.0.0.1 or [::1], any "
+                         "port; app://, file://, tauri:// and vscode-webview:// pages of desktop shells) are always "
+                         "allowed, others are refused with 403 (default: none). Clients that are not browsers send no "
+                         "Origin and are never refused")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                     help="uvicorn's log level; info logs every request (default warning)")
     add_engine_args(ap)  # the same engine flags as edge-chat
