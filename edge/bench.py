@@ -59,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="after each item's last answer, send TEXT as one more turn (e.g. a rewrite request); "
                          "measured under category '<cat>+turnN', N = the item's turns + 1 (turn2 for single-turn "
                          "items, beside multi-turn items' real second turns)")
-    ap.add_argument("--draft-len", type=non_negative_int, help="draft length override (0-64)")
+    ap.add_argument("--draft-len", type=non_negative_int,
+                    help="draft up to this many tokens per step in every mode, 0-64, without the adaptive length "
+                         "(default: none, each drafter's adaptive length)")
     ap.add_argument("--temp", type=float, default=0.0,
                     help="sampling temperature (default 0: greedy); greedy or seeded, every mode's output is compared "
                          "with none's")
