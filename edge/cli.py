@@ -138,8 +138,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="REPL history beyond the context: refuse the turn (default) or drop the oldest turns")
     ap.add_argument("--plan", action="store_true",
                     help="print the memory plan (drafter, K / tree nodes, predicted peak MB for plain and "
-                         "speculative decoding, both lower bounds) for --device/--budget-mb/--context and exit "
-                         "without loading the model; exit status 0 when the plan fits the budget, 3 when it does not")
+                         "speculative decoding, both lower bounds) for --device/--budget-mb/--context (and "
+                         "--drafter, --calibration, --temp > 0 for sampling) and exit without loading the model; exit "
+                         "status 0 when the plan fits the budget, 3 when it does not")
     ap.add_argument("--prompt", help="answer this one prompt and exit (no REPL)")
     ap.add_argument("--json", action="store_true",
                     help="with --prompt: print one JSON object (text, token ids, prefill ms, decode tokens/s, "
