@@ -141,11 +141,13 @@ def run_conversation(url: str, turns: int = 10, max_tokens: int = 48, timeout: f
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m edge.serve_load", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--url", default="http://127.0.0.1:8080", help="edge-serve base URL (loopback only)")
+    ap.add_argument("--url", default="http://127.0.0.1:8080",
+                    help="edge-serve base URL, loopback only (default http://127.0.0.1:8080)")
     ap.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default 4)")
     ap.add_argument("--requests", type=int, default=20, help="requests per client (default 20)")
     ap.add_argument("--max-tokens", type=int, help="max_tokens per request (default 16; 48 with --turns)")
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds per request before it counts as lost")
+    ap.add_argument("--timeout", type=float, default=120.0,
+                    help="seconds per request before it counts as lost (default 120)")
     ap.add_argument("--turns", type=int, default=0,
                     help="instead of the load: one conversation of this many turns, reporting prompt tokens "
                          "reused / prefilled per turn (compare a server started with --no-reuse)")

@@ -126,15 +126,17 @@ def soak(engine, turns: int, max_tokens: int = 12, group: int = 20, interrupt_ev
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m edge.soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", help="exported model directory (default: the embedded model)")
-    ap.add_argument("--turns", type=positive_int, default=500)
-    ap.add_argument("--max-tokens", type=positive_int, default=12)
-    ap.add_argument("--group", type=positive_int, default=20, help="turns per chat before a reset (drafter state kept)")
+    ap.add_argument("--turns", type=positive_int, default=500, help="chat turns in all (default 500)")
+    ap.add_argument("--max-tokens", type=positive_int, default=12, help="new tokens per answer (default 12)")
+    ap.add_argument("--group", type=positive_int, default=20,
+                    help="turns per chat before a reset (drafter state kept; default 20)")
     ap.add_argument("--interrupt-every", type=non_negative_int, default=10,
-                    help="close every N-th answer after one chunk (0: never)")
-    ap.add_argument("--every", type=positive_int, default=10, help="record RSS every N turns")
-    ap.add_argument("--context", type=positive_int, default=None)
-    ap.add_argument("--drafter", default="auto", choices=DRAFTERS)
-    ap.add_argument("--threads", type=positive_int, default=2)
+                    help="close every N-th answer after one chunk (0: never; default 10)")
+    ap.add_argument("--every", type=positive_int, default=10, help="record RSS every N turns (default 10)")
+    ap.add_argument("--context", type=positive_int, default=None,
+                    help="context window in tokens (default 4096, or the export's maximum if that is smaller)")
+    ap.add_argument("--drafter", default="auto", choices=DRAFTERS, help="drafter, as edge-chat's (default auto)")
+    ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
     ap.add_argument("--json", help="write the report here")
     a = ap.parse_args(argv)
     import edge
