@@ -108,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="LM head (and, for int4/int8/w8a8, embedding) precision, for every --precision: 0 = float "
                          "(default for fp32/fp16), 4 or 8 = blocks (default 8 for int4/int8/w8a8)")
     ap.add_argument("--max-len", type=positive_int, default=8192,
-                    help="context capacity the graphs support (default 8192)")
+                    help="context capacity the graphs support (default 8192; never more than the model's own "
+                         "context: its max_position_embeddings, or its sliding window)")
     ap.add_argument("--drafter-layers", type=layer_count, nargs="*", default=None, metavar="LAYERS",
                     help=f"early-exit drafter depth(s) in layers (default {DEFAULT_DRAFTER[0]}; none: no early-exit "
                          "drafter)")
