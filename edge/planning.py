@@ -126,11 +126,15 @@ def capabilities(manifest: Manifest, tree_exact: bool | None = None) -> dict:
 
 def expected_min_call(manifest: Manifest) -> int:
     """The narrowest call the runtime will make (GraphSession's probe at load), read off the manifest for plans made
-    without a session: our graphs pad a 1-token query to two rows inside the graph, so a lone token is already the
-    first row of a wider call (1); an optimum graph's probe ran at export and is in its parity report."""
-    if manifest.target.io == "optimum":
-        return int(manifest.parity.get("min_call", 2))
-    return 1
+    without a session: the probe the export ran on its own host (its parity report's min_call; usually this host,
+    since a first run exports here), else what the graph's layout implies. Our graphs pad a 1-token query to two rows
+    inside the graph, so a lone token is already the first row of a wider call (1), except where a matmul kernel
+    computes a lone row another way (MatMulNBits' 4-bit kernel on x86 without VNNI: 2); an optimum graph's probe
+    always ran at export."""
+    v = manifest.parity.get("min_call")
+    if isinstance(v, int) and not isinstance(v, bool) and v in (1, 2):
+        return v
+    return 2 if manifest.target.io == "optimum" else 1
 
 
 def _mb_up(x: float) -> float:

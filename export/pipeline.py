@@ -593,7 +593,8 @@ def _time_contexts(m: Manifest, part: Path, past: int, threads: int, reps: int =
     model drafter is priced on the same scale as the target it saves calls of. Skipped when the graph has no room
     for twice `past` (too close to tell a slope from noise). The numpy-fed timings above copy the cache into every
     call's outputs: one row over 1,024 tokens measured 27.2 ms that way against 22.4 ms the engine's way (medians
-    of 4 alternating rounds on the 2-core dev VM), 16.2 against 12.7 over 128."""
+    of 4 alternating rounds on the 2-core dev VM), 16.2 against 12.7 over 128. The target's session also records
+    its min_call probe in the parity report."""
     from edge.profile import call_latency
     from edge.runner import open_session
 
@@ -602,12 +603,17 @@ def _time_contexts(m: Manifest, part: Path, past: int, threads: int, reps: int =
         return m
     sizes = list(range(1, VERIFY_SIZES + 1))
 
+    probed = {}
+
     def timed(g: GraphEntry, contexts: tuple[int, ...]) -> GraphEntry:
         sess = open_session(str(part / g.file), m, g, contexts[-1] + VERIFY_SIZES, threads)
+        if g is m.target:  # its load-time probe on this host, for plans made without loading (expected_min_call)
+            probed["min_call"] = sess.min_call
         curves = [[c, [ms for _, ms in call_latency(sess, sizes, c, reps)]] for c in contexts]
         return replace(g, stats={**g.stats, "latency_ms_by_s_at": curves})
 
-    return replace(m, graphs=tuple(timed(g, (past, long_past) if g is m.target else (past,)) for g in m.graphs))
+    graphs = tuple(timed(g, (past, long_past) if g is m.target else (past,)) for g in m.graphs)
+    return replace(m, graphs=graphs, parity={**m.parity, **probed})
 
 
 def _ours(d: Path, marker: str) -> bool:

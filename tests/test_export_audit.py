@@ -364,6 +364,8 @@ def test_target_latency_is_timed_at_a_long_context_when_the_graph_has_room(tmp_p
         (c, by_s), = d.stats["latency_ms_by_s_at"]
         assert c == past and len(by_s) == VERIFY_SIZES and all(x > 0 for x in by_s)
         assert [lat.drafters[d.name](s) for s in sizes] == pytest.approx(by_s, rel=1e-12)
+        assert m.parity["min_call"] == 1  # the target session's probe (fp32 graph with its pad row)
     else:
         assert timed == [] and "latency_ms_by_s_at" not in t and lat.target_at == ()
         assert "latency_ms_by_s_at" not in d.stats and lat.drafters[d.name](1) == d.stats["latency_ms_s1"]
+        assert "min_call" not in m.parity

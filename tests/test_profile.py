@@ -596,6 +596,33 @@ def test_plan_report_is_the_plan_the_engine_runs_and_its_lower_bounds_fit(tiny_d
         assert at["fits"] and at["plan"]["drafter"] != "none", (ctx, rep, at)  # the bound buys a drafter
 
 
+def test_plan_report_takes_the_min_call_the_export_probed(tiny_llama_dir, tmp_path, monkeypatch):
+    """The export records its target's load-time probe (parity min_call), so `edge-chat --plan`, which plans without
+    loading, prices the calls the engine on that host makes: 2 rows where a lone row computes another way
+    (MatMulNBits' 4-bit kernel on x86 without VNNI), not the 1 our graphs' layout implies; unusable or missing
+    records fall back to the layout's (1; 2 for an optimum graph)."""
+    from dataclasses import replace
+
+    import edge.runner
+    from conftest import tiny_export_options
+    from devices import load_profile
+    from edge.planning import expected_min_call, plan_report
+    from export.pipeline import export_model
+
+    monkeypatch.setattr(edge.runner, "probe_min_call", lambda session: 2)
+    m = export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(max_len=300, drafters=(), distill=False,
+                                                                         parity=False), progress=False)
+    assert m.parity["min_call"] == 2
+    profile = load_profile("laptop-cpu-16gb")
+    assert plan_report(m, profile, 256, None)["min_call"] == 2
+    assert edge.load(tmp_path / "m", context=256).target.min_call == 2  # what the loaded engine runs (same probe)
+    optimum = replace(m.target, io="optimum")
+    for v, ours, theirs in ((1, 1, 1), (2, 2, 2), (None, 1, 2), (3, 1, 2), (True, 1, 2), ("2", 1, 2), (2.0, 1, 2)):
+        mv = replace(m, parity={**m.parity, "min_call": v})
+        assert expected_min_call(mv) == ours, v
+        assert expected_min_call(replace(mv, graphs=(optimum,) + mv.graphs[1:])) == theirs, v
+
+
 def test_the_model_drafter_prefills_in_the_profiles_chunks_too(tiny_dir, tmp_path):
     """A device profile's prefill_chunk (what its memory plan prices, and on a static-shape NPU the compiled
     buckets) bounded the target's prefill calls but not the model drafter's, which always took 512 rows."""
