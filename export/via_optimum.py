@@ -55,6 +55,10 @@ def read_hf_config(src: Path) -> dict:
         raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
 
 
+def _max_positions(cfg: dict) -> int:
+    return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
+
+
 def _graph_arch(path: Path, cfg: dict) -> dict:
     """What the runtime and memory model need, read off the exported graph's K/V shapes plus config.json."""
     import onnx
@@ -69,7 +73,7 @@ def _graph_arch(path: Path, cfg: dict) -> dict:
     vocab = int(logits.type.tensor_type.shape.dim[2].dim_value) or int(cfg.get("vocab_size", 0))
     hidden = int(cfg.get("hidden_size") or cfg.get("n_embd") or cfg.get("d_model") or 0)
     heads = int(cfg.get("num_attention_heads") or cfg.get("n_head") or kv_heads)
-    max_pos = int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
+    max_pos = _max_positions(cfg)
     eos = cfg.get("eos_token_id")
     return {
         "family": str(cfg.get("model_type", "?")), "hidden": hidden, "layers": len(past), "heads": heads,
@@ -156,7 +160,7 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
     """Writes the export into `part` (export.pipeline.export_model swaps it into place when complete)."""
     from edge.runner import OptimumSession
 
-    from .pipeline import _versions, source_digest
+    from .pipeline import VERIFY_SIZES, _versions, source_digest
 
     src = Path(source)
     if opts.precision not in OPTIMUM_PRECISIONS:
@@ -174,6 +178,13 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
         raise CheckpointError(f"{src}: attention logit softcapping ({cfg['attn_logit_softcapping']}) is lost in "
                               "optimum's trace (max |Δlogit| 6.3 against transformers measured at a cap of 5); not "
                               "exported")
+    max_len = min(opts.max_len, _max_positions(cfg))
+    if max_len < VERIFY_SIZES:  # the latency calls below are that wide: refused here, not after the trace
+        if opts.max_len < _max_positions(cfg):
+            raise ValueError(f"--max-len {max_len} is shorter than the {VERIFY_SIZES}-token calls the export "
+                             f"measures; use --max-len {VERIFY_SIZES} or more")
+        raise CheckpointError(f"{src}: the model's context of {max_len} positions is shorter than the "
+                              f"{VERIFY_SIZES}-token calls the export measures")
     main_export = _require_optimum()
     steps.done()
 
@@ -207,7 +218,6 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
                   opts.accuracy_level)
     shutil.rmtree(raw)
     arch = _graph_arch(part / target_file, cfg)
-    max_len = min(opts.max_len, arch["max_positions"])
     steps.done()
 
     steps.start("parity vs the transformers model")
@@ -224,9 +234,11 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
         report = parity(_source_logits(src, prompts), got)
         report["prompts"] = len(prompts)
     report.update(min_call=sess.min_call, chains_exact=sess.chains_exact)
-    sess.prefill([(7 * i) % max(arch["vocab"] - 3, 1) + 3 for i in range(min(128, sess.cache.capacity // 2))])
+    # the latency calls (up to VERIFY_SIZES tokens) follow a prefill: a short --max-len still leaves them room
+    past = min(128, sess.cache.capacity // 2, sess.cache.capacity - VERIFY_SIZES)
+    sess.prefill([(7 * i) % max(arch["vocab"] - 3, 1) + 3 for i in range(past)])
     lat = []
-    for s in range(1, 9):
+    for s in range(1, VERIFY_SIZES + 1):
         sess.forward([3] * s)
         t = time.perf_counter()
         for _ in range(5):

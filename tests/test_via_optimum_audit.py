@@ -357,3 +357,21 @@ def test_source_logits_use_the_eager_attention_in_float32(tmp_path, monkeypatch)
     assert seen == {"path": str(tmp_path), "local_files_only": True, "dtype": torch.float32,
                     "attn_implementation": "eager"}
     assert [g.shape for g in got] == [(2, 3), (1, 3)]
+
+
+# ----------------------------------------------------------------------------- a short context (bug fixed here)
+
+@pytest.mark.parametrize("max_len", [8, 12])
+def test_a_short_max_len_still_measures_its_latency(tmp_path, fake_optimum, max_len):
+    """The 8-token latency calls followed a prefill of half the context: below --max-len 16 the export died in a
+    CacheFull traceback once the whole torch trace had run."""
+    m = _export(_checkpoint(tmp_path / "ck"), tmp_path / "out", max_len=max_len)
+    assert m.target.max_len == max_len and len(m.target.stats["latency_ms_by_s"]) == 8
+
+
+def test_a_context_shorter_than_the_latency_calls_is_refused_before_the_trace(tmp_path, fake_optimum):
+    with pytest.raises(ValueError, match="--max-len 7 is shorter than the 8-token calls .* use --max-len 8 or more"):
+        _export(_checkpoint(tmp_path / "ck"), tmp_path / "out", max_len=7)
+    with pytest.raises(CheckpointError, match="the model's context of 4 positions is shorter"):
+        _export(_checkpoint(tmp_path / "ck4", max_position_embeddings=4), tmp_path / "out")
+    assert fake_optimum == [] and not (tmp_path / "out.partial").exists()
