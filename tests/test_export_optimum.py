@@ -177,7 +177,7 @@ def test_attention_softcapping_is_refused_not_traced_away(tmp_path, capsys):
                                                "attn_logit_softcapping": 5.0}))
     assert main([str(d), "-o", str(tmp_path / "o"), "--via", "optimum", "-q"]) == 2
     err = capsys.readouterr().err
-    assert "softcapping" in err and "Traceback" not in err and not (tmp_path / "o").exists()
+    assert "softcapping (5.0) is lost" in err and "Traceback" not in err and not (tmp_path / "o").exists()
 
 
 def test_unsupported_architecture_points_to_optimum(tmp_path):

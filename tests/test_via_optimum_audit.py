@@ -156,6 +156,16 @@ def test_optimum_refusing_the_model_is_one_clear_error(tmp_path, fake_optimum, e
     assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
 
 
+def test_softcapping_is_refused_before_the_trace_and_a_null_cap_is_not(tmp_path, fake_optimum):
+    """(test_export_optimum's version passes without the check: its tmp_path, named after the test, puts
+    "softcapping" into every error message.)"""
+    with pytest.raises(CheckpointError, match=r"attention logit softcapping \(5.0\) is lost in optimum's trace"):
+        _export(_checkpoint(tmp_path / "capped", attn_logit_softcapping=5.0), tmp_path / "out")
+    assert fake_optimum == []
+    _export(_checkpoint(tmp_path / "uncapped", attn_logit_softcapping=None), tmp_path / "out")
+    assert len(fake_optimum) == 1
+
+
 def test_a_separate_drafter_checkpoint_is_refused_through_the_api(tmp_path, fake_optimum):
     """The CLI refuses --drafter-checkpoint --via optimum itself; export_model callers reach this check."""
     with pytest.raises(ValueError, match="--drafter-checkpoint needs"):
