@@ -231,16 +231,25 @@ def _llama3_factors(theta: float, head_dim: int, factor: float, low: float, high
     return tuple(float(f) for f in inv / scaled)
 
 
+def read_config(cfg_file: Path) -> dict:
+    """A checkpoint's config.json as a dict, or one CheckpointError naming the file: not valid JSON, or valid JSON
+    that is not an object (a list, a string), which would otherwise fail later as an AttributeError traceback."""
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except ValueError as e:  # UnicodeDecodeError too
+        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_file}: a JSON {type(cfg).__name__}, not an object of config fields; expected a "
+                              "Hugging Face config.json")
+    return cfg
+
+
 def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{path}: no config.json; expected a Hugging Face checkpoint directory or a .gguf file")
-    try:
-        cfg = json.loads(cfg_file.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
-    config = _config_from_hf(cfg, str(cfg_file))
+    config = _config_from_hf(read_config(cfg_file), str(cfg_file))
     files = _weight_files(path)
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weights (pytorch .bin files: re-save with safe_serialization=True)")

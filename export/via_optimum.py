@@ -12,7 +12,6 @@ Needs the `optimum` extra: pip install 'edgespec[optimum]' (optimum-onnx, onnx-i
 """
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import asdict
@@ -24,7 +23,7 @@ from edge.manifest import PARTIAL_MARKER, FileEntry, GraphEntry, Manifest, forma
 from edge.text import TextCodec
 
 from . import calibration
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, read_config
 from .evaluate import parity
 from .tokenizer import hf_tokenizer_files
 
@@ -49,10 +48,7 @@ def read_hf_config(src: Path) -> dict:
     cfg_file = src / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{src}: no config.json; expected a Hugging Face checkpoint directory")
-    try:
-        return json.loads(cfg_file.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"{cfg_file}: not valid JSON ({e})") from e
+    return read_config(cfg_file)
 
 
 def _max_positions(cfg: dict) -> int:

@@ -348,6 +348,22 @@ def test_read_hf_config_errors_name_the_problem(tmp_path):
     assert via_optimum.read_hf_config(d) == {"model_type": "gpt2"}
 
 
+@pytest.mark.parametrize("text", ['["llama"]', '"llama"', "3", "null"])
+def test_a_config_that_is_json_but_no_object_is_one_clear_error_on_both_paths(tmp_path, capsys, text):
+    """Valid JSON that is not an object was an AttributeError traceback in both exporters."""
+    from export.cli import main
+
+    d = tmp_path / "ck"
+    d.mkdir()
+    (d / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="not an object of config fields"):
+        via_optimum.read_hf_config(d)
+    for via in ("builder", "optimum"):
+        assert main([str(d), "-o", str(tmp_path / via), "--via", via, "-q"]) == 2
+        err = capsys.readouterr().err
+        assert "config.json: a JSON" in err and "Traceback" not in err, (via, err)
+
+
 def test_source_logits_use_the_eager_attention_in_float32(tmp_path, monkeypatch):
     """Parity is against the checkpoint's own math: sdpa kernels skip e.g. softcapping."""
     import torch
