@@ -106,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
                          "the CPU that will run the model")
     ap.add_argument("--lm-head-bits", type=int, choices=[0, 4, 8], default=None,
                     help="LM head (and, for int4/int8/w8a8, embedding) precision, for every --precision: 0 = float "
-                         "(default for fp32/fp16), 4 or 8 = blocks (default 8 for int4/int8/w8a8)")
+                         "(default for fp32/fp16), 4 or 8 = blocks (default 8 for int4/int8/w8a8). Not with --via "
+                         "optimum, which quantizes the LM head at --precision")
     ap.add_argument("--max-len", type=positive_int, default=8192,
                     help="context capacity the graphs support (default 8192; never more than the model's own "
                          "context: its max_position_embeddings, or its sliding window)")

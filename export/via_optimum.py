@@ -167,6 +167,9 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
                          "work); pass --drafter-layers with no value")
     if opts.drafter_checkpoints:
         raise ValueError("--drafter-checkpoint needs edgespec's own graph builder (--via builder)")
+    if opts.lm_head_bits is not None:  # ORT's quantizer takes every MatMul, the LM head's too, at --precision
+        raise ValueError(f"--lm-head-bits needs edgespec's own graph builder (--via builder); --via optimum "
+                         f"quantizes the LM head as every other MatMul, at --precision {opts.precision}")
     t0 = time.time()
     steps.start("loading checkpoint")
     cfg = read_hf_config(src)

@@ -173,6 +173,21 @@ def test_a_separate_drafter_checkpoint_is_refused_through_the_api(tmp_path, fake
     assert fake_optimum == []
 
 
+@pytest.mark.parametrize("bits", [0, 4, 8])
+def test_lm_head_bits_are_refused_not_ignored(tmp_path, fake_optimum, capsys, bits):
+    """ORT's quantizer takes the LM head with every other MatMul at --precision: a requested head precision was
+    silently not what the export wrote."""
+    from export.cli import main
+
+    with pytest.raises(ValueError, match="--lm-head-bits needs edgespec's own graph builder"):
+        _export(_checkpoint(tmp_path / "ck"), tmp_path / "out", lm_head_bits=bits, precision="int4")
+    assert fake_optimum == []
+    assert main([str(tmp_path / "ck"), "-o", str(tmp_path / "o"), "--via", "optimum", "-q",
+                 "--lm-head-bits", str(bits)]) == 2
+    err = capsys.readouterr().err
+    assert "--lm-head-bits needs" in err and "Traceback" not in err and fake_optimum == []
+
+
 # ----------------------------------------------------------------------------- _graph_arch
 
 def _arch(tmp_path, cfg, **graph):
