@@ -154,6 +154,7 @@ def _source_logits(src: Path, prompts: list[list[int]]) -> list[np.ndarray]:
 
 def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
     """Writes the export into `part` (export.pipeline.export_model swaps it into place when complete)."""
+    from edge.profile import call_latency
     from edge.runner import OptimumSession
 
     from .pipeline import VERIFY_SIZES, _versions, source_digest
@@ -177,9 +178,10 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
         raise CheckpointError(f"{src}: attention logit softcapping ({cfg['attn_logit_softcapping']}) is lost in "
                               "optimum's trace (max |Δlogit| 6.3 against transformers measured at a cap of 5); not "
                               "exported")
-    max_len = min(opts.max_len, _max_positions(cfg))
+    positions = _max_positions(cfg)
+    max_len = min(opts.max_len, positions)
     if max_len < VERIFY_SIZES:  # the latency calls below are that wide: refused here, not after the trace
-        if opts.max_len < _max_positions(cfg):
+        if opts.max_len < positions:
             raise ValueError(f"--max-len {max_len} is shorter than the {VERIFY_SIZES}-token calls the export "
                              f"measures; use --max-len {VERIFY_SIZES} or more")
         raise CheckpointError(f"{src}: the model's context of {max_len} positions is shorter than the "
@@ -233,16 +235,10 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
         report = parity(_source_logits(src, prompts), got)
         report["prompts"] = len(prompts)
     report.update(min_call=sess.min_call, chains_exact=sess.chains_exact)
-    # the latency calls (up to VERIFY_SIZES tokens) follow a prefill: a short --max-len still leaves them room
+    # timed as edge-profile times any session; the calls (up to VERIFY_SIZES tokens) follow a prefill of `past`
+    # tokens, so a short --max-len still leaves them room
     past = min(128, sess.cache.capacity // 2, sess.cache.capacity - VERIFY_SIZES)
-    sess.prefill([(7 * i) % max(arch["vocab"] - 3, 1) + 3 for i in range(past)])
-    lat = []
-    for s in range(1, VERIFY_SIZES + 1):
-        sess.forward([3] * s)
-        t = time.perf_counter()
-        for _ in range(5):
-            sess.forward([3] * s)
-        lat.append(round(1000 * (time.perf_counter() - t) / 5, 3))
+    lat = [ms for _, ms in call_latency(sess, list(range(1, VERIFY_SIZES + 1)), past, reps=5)]
     del sess
     steps.done()
 
