@@ -18,6 +18,18 @@ class CacheFull(Exception):
     pass
 
 
+# the manifest's `kv_dtype` → the cache's element type ("int8": GroupQueryAttention quantizes each new K/V value
+# with the graph's static per-channel scales, so a token's cached codes do not depend on the call that wrote them)
+KV_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
+
+
+def kv_numpy_dtype(kv_dtype: str):
+    try:
+        return KV_DTYPES[kv_dtype]
+    except KeyError:
+        raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}") from None
+
+
 class KVCache:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype=np.float32):
         # [layer, k|v, 1, kv_heads, capacity + 1, head_dim]: each layer's slice is contiguous. The extra slot is

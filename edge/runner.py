@@ -13,7 +13,7 @@ import numpy as np
 from kernels.postprocess import GREEDY_K, HEAD_INPUTS
 from kernels.sampling import top_k_ids
 
-from .kv import KVCache
+from .kv import KVCache, kv_numpy_dtype
 from .manifest import GraphEntry, Manifest
 
 NEG = np.finfo(np.float32).min
@@ -56,7 +56,7 @@ class GraphSession:
         warn_int8_gemm(path, graph, providers)
         a = manifest.arch_of(graph)
         self.layers, self.vocab = graph.layers, graph.vocab
-        dtype = np.float16 if graph.kv_dtype == "float16" else np.float32
+        dtype = kv_numpy_dtype(graph.kv_dtype)
         if capacity > graph.max_len:
             raise ValueError(f"context {capacity} exceeds what {graph.file} was exported for ({graph.max_len})")
         self.cache = KVCache(graph.layers, a["kv_heads"], a["head_dim"], capacity, dtype)
@@ -389,7 +389,7 @@ class OptimumSession:
     def from_manifest(cls, path: str, manifest: Manifest, graph: GraphEntry, capacity: int, threads: int = 2,
                       providers=("CPUExecutionProvider",)):
         a = manifest.arch
-        dtype = np.float16 if graph.kv_dtype == "float16" else np.float32
+        dtype = kv_numpy_dtype(graph.kv_dtype)
         return cls(path, graph.layers, a["kv_heads"], a["head_dim"], graph.vocab, capacity, threads, providers,
                    max_len=graph.max_len or None, kv_dtype=dtype)
 

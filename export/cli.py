@@ -13,8 +13,8 @@ from edge.cli import non_negative_int, positive_int
 from edge.manifest import ModelDirError, load_manifest
 
 from .checkpoint import CheckpointError, default_gguf_path
-from .graph import GRAPH_VERSION, PRECISIONS, W8A8_KERNELS
-from .pipeline import DEFAULT_DRAFTER, DEFAULT_PRECISION, ExportOptions, export_lock, export_model, source_digest
+from .graph import GRAPH_VERSION, KV_CACHES, PRECISIONS, W8A8_KERNELS
+from .pipeline import DEFAULT_DRAFTER, DEFAULT_KV_CACHE, DEFAULT_PRECISION, ExportOptions, export_lock, export_model, source_digest
 
 
 def _reusable(out: Path, source: Path, opts: ExportOptions) -> bool:
@@ -108,6 +108,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="LM head (and, for int4/int8/w8a8, embedding) precision, for every --precision: 0 = float "
                          "(default for fp32/fp16), 4 or 8 = blocks (default 8 for int4/int8/w8a8). Not with --via "
                          "optimum, which quantizes the LM head at --precision")
+    ap.add_argument("--kv-cache", choices=KV_CACHES, default=None,
+                    help=f"KV cache of the target and its early-exit drafters (default {DEFAULT_KV_CACHE}): int8 = "
+                         "one byte per value with static per-channel scales fitted on the calibration prompts (a "
+                         "quarter of float32's memory; exact for speculation, since each value is quantized on its "
+                         "own), float32 = the graph's float type. Builder only")
     ap.add_argument("--max-len", type=positive_int, default=8192,
                     help="context capacity the graphs support (default 8192; never more than the model's own "
                          "context: its max_position_embeddings, or its sliding window)")
@@ -166,6 +171,9 @@ def main(argv=None) -> int:
         a.precision = "int4" if a.via == "optimum" else DEFAULT_PRECISION
     if a.no_smooth and a.precision != "w8a8":  # only w8a8's per-row activation scales are smoothed
         _parser().error(f"--no-smooth applies to --precision w8a8 only; {a.precision} is never smoothed: drop it")
+    if a.kv_cache is not None and a.via == "optimum":
+        _parser().error("--kv-cache needs edgespec's own graph builder (--via builder); optimum's graphs keep a "
+                        "float cache")
     if a.w8a8_kernel != "auto" and a.precision != "w8a8":  # only w8a8 linears have an int8 weight layout to choose
         _parser().error(f"--w8a8-kernel applies to --precision w8a8 only; {a.precision} has no w8a8 layers: drop it")
     try:
@@ -173,7 +181,8 @@ def main(argv=None) -> int:
                              lm_head_bits=a.lm_head_bits, block_min=not a.integer_zero_points, smooth=not a.no_smooth,
                              max_len=a.max_len, drafters=drafters, drafter_checkpoints=drafter_cks,
                              calib_new_tokens=a.calib_tokens, parity=not a.no_parity, threads=a.threads,
-                             w8a8_kernel=None if a.w8a8_kernel == "auto" else a.w8a8_kernel)
+                             w8a8_kernel=None if a.w8a8_kernel == "auto" else a.w8a8_kernel,
+                             **({"kv_cache": a.kv_cache} if a.kv_cache else {}))
         if a.default and a.out:  # the embedded model, exported elsewhere (another precision, say)
             m = export_model(default_gguf_path(), Path(a.out),
                              ExportOptions(**{**asdict(opts), "name": "SmolLM2-135M-Instruct"}),

@@ -29,8 +29,9 @@ class GraphRunner:
         # the runtime's options: latencies measured here price the runtime's calls
         self.sess = ort.InferenceSession(path, session_options(threads), providers=["CPUExecutionProvider"])
         types = {i.name: i.type for i in self.sess.get_inputs()}
-        if kv_dtype is None:  # the graph's own: an fp16 graph keeps an fp16 cache
-            kv_dtype = np.float16 if types.get("past_key_values.0.key") == "tensor(float16)" else np.float32
+        if kv_dtype is None:  # the graph's own: an fp16 graph keeps an fp16 cache, an int8-cache graph int8 codes
+            kv_dtype = {"tensor(float16)": np.float16, "tensor(int8)": np.int8}.get(
+                types.get("past_key_values.0.key"), np.float32)
         self.layers, self.kv_heads, self.head_dim, self.kv_dtype = layers, kv_heads, head_dim, kv_dtype
         names = set(types)
         self._head = head_feeds(1) if set(HEAD_INPUTS) <= names else {}  # logits only: the head's cheapest call
@@ -49,6 +50,13 @@ class GraphRunner:
         """ids [S] → logits [S, V], one call from an empty cache."""
         s = len(ids)
         return self.sess.run(["logits"], self._feeds(ids, np.arange(s), causal_bias(s), self._empty()))[0][0]
+
+    def present(self, ids) -> list[np.ndarray]:
+        """The K/V a call over ids [S] from an empty cache writes: 2 per layer, each [1, kv_heads, ≥ S, head_dim]
+        (a graph with a pad query row adds its slot after them)."""
+        s = len(ids)
+        names = [f"present.{i}.{k}" for i in range(self.layers) for k in ("key", "value")]
+        return self.sess.run(names, self._feeds(ids, np.arange(s), causal_bias(s), self._empty(), keep=1))
 
     def greedy(self, ids, n: int, stop: tuple[int, ...] = ()) -> list[int]:
         """Greedy continuation (present fed back as past): calibration text, not the runtime loop."""

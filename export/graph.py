@@ -37,6 +37,7 @@ from .quant import block_sum_matrix, quantize_asymmetric, quantize_block_min, qu
 
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "w8a8")
 W8A8_KERNELS = ("u8s8", "u8u8")
+KV_CACHES = ("float32", "int8")
 SHARED_CONSTANT_MAX = 64  # elements: larger initializers (weights) are never requested twice by name
 MS = "com.microsoft"
 IR_VERSION = 10  # ORT 1.31 loads IR <= 13; onnx 1.23 would write 14 by default
@@ -58,8 +59,14 @@ class GraphOptions:
     # w8a8 weights: "u8s8" int8 (MLAS' u8s8 GEMM: VNNI's fast path, but it saturates on CPUs without VNNI) or
     # "u8u8" uint8 around 128 (exact on every CPU); None: `devices.int8_gemm_exact` decides for this host
     w8a8_kernel: str | None = None
+    # "int8": GroupQueryAttention stores K/V as int8 codes with static per-channel scales fitted at export
+    # (`build_graph`'s kv_scales); each value is quantized on its own, so a token's cache entry does not depend on
+    # the call that wrote it, and speculation stays exact. "float32": the graph's float type (fp16 graphs: fp16)
+    kv_cache: str = "float32"
 
     def __post_init__(self):
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache {self.kv_cache!r}: choose one of {', '.join(KV_CACHES)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision {self.precision!r}: choose one of {', '.join(PRECISIONS)}")
         if self.w8a8_kernel is None:
@@ -266,15 +273,21 @@ def _pad_query_inputs(g: _Builder) -> tuple[str, str]:
 
 
 def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None = None,
-                adapter: np.ndarray | None = None) -> onnx.ModelProto:
+                adapter: np.ndarray | None = None, kv_scales: np.ndarray | None = None) -> onnx.ModelProto:
     """The target graph (all layers, full vocabulary) or a drafter (`opts.layers`, `vocab_ids` = kept target ids).
 
     `adapter` [hidden, hidden] (drafters only): a correction fitted at export time, applied to the last layer's
-    residual stream before the final norm (h ← h @ adapter), so an early exit looks more like the full model."""
+    residual stream before the final norm (h ← h @ adapter), so an early exit looks more like the full model.
+    `kv_scales` [layers ≥ N, 2, kv_heads, head_dim] (opts.kv_cache "int8"): the K and V step of each channel
+    (`export.kvquant.kv_scales`)."""
     c = ck.config
     n_layers = c.layers if opts.layers is None else opts.layers
     if not 1 <= n_layers <= c.layers:
         raise ValueError(f"layers={n_layers}: the model has {c.layers}")
+    int8_kv = opts.kv_cache == "int8"
+    if int8_kv and (kv_scales is None or kv_scales.shape[1:] != (2, c.kv_heads, c.head_dim)
+                    or kv_scales.shape[0] < n_layers):
+        raise ValueError(f"an int8 KV cache needs kv_scales [{n_layers}, 2, {c.kv_heads}, {c.head_dim}]")
     ft = TensorProto.FLOAT16 if opts.precision == "fp16" else TensorProto.FLOAT
     g = _Builder(opts, ft)
     w = ck.weights
@@ -314,6 +327,7 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
     x = g.node("SimplifiedLayerNormalization", [h, g.init("l0.input_norm", w["model.layers.0.input_layernorm.weight"].astype(g.np_ft))],
                name="l0/input_norm", axis=-1, epsilon=eps, stash_type=1)[0]
     kv_shape = [1, c.kv_heads, "max_len", c.head_dim]
+    kv_type = TensorProto.INT8 if int8_kv else ft
     for i in range(n_layers):
         L = lambda n: w[f"model.layers.{i}.{n}"]  # noqa: E731
         qkv_w = np.concatenate([L("self_attn.q_proj.weight"), L("self_attn.k_proj.weight"), L("self_attn.v_proj.weight")])
@@ -323,15 +337,22 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
             qkv = g.node("Add", [qkv, g.init(f"l{i}/qkv.bias", qkv_b.astype(g.np_ft))], name=f"l{i}/qkv_bias")[0]
         pk, pv = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
         ok, ov = f"present.{i}.key", f"present.{i}.value"
-        inputs += [helper.make_tensor_value_info(pk, ft, kv_shape), helper.make_tensor_value_info(pv, ft, kv_shape)]
-        outputs += [helper.make_tensor_value_info(ok, ft, kv_shape), helper.make_tensor_value_info(ov, ft, kv_shape)]
+        inputs += [helper.make_tensor_value_info(pk, kv_type, kv_shape),
+                   helper.make_tensor_value_info(pv, kv_type, kv_shape)]
+        outputs += [helper.make_tensor_value_info(ok, kv_type, kv_shape),
+                    helper.make_tensor_value_info(ov, kv_type, kv_shape)]
         if opts.pad_query:
             qkv = g.node("Pad", [qkv, g.init("pad_seq3", np.array([0, 0, 0, 0, 1, 0], np.int64))], name=f"l{i}/qkv_pad")[0]
-        attn = g.node("GroupQueryAttention",
-                      [qkv, "", "", pk, pv, seqlens, total, cos_n, sin_n, positions, bias],
+        gqa_in = [qkv, "", "", pk, pv, seqlens, total, cos_n, sin_n, positions, bias]
+        quant = {}
+        if int8_kv:  # inputs 11-13: head_sink (unused), k_scale, v_scale, each [1, kv_heads, 1, head_dim]
+            gqa_in += ["", g.init(f"l{i}.k_scale", kv_scales[i, 0].reshape(1, c.kv_heads, 1, c.head_dim).astype(np.float32)),
+                       g.init(f"l{i}.v_scale", kv_scales[i, 1].reshape(1, c.kv_heads, 1, c.head_dim).astype(np.float32))]
+            quant = dict(kv_cache_bit_width=8, k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL")
+        attn = g.node("GroupQueryAttention", gqa_in,
                       domain=MS, name=f"l{i}/attn", outputs=[f"l{i}/attn/out", ok, ov],
                       num_heads=c.heads, kv_num_heads=c.kv_heads, do_rotary=1, rotary_interleaved=0,
-                      local_window_size=-1)[0]
+                      local_window_size=-1, **quant)[0]
         if opts.pad_query:  # drop the pad row: the first S rows
             attn = g.node("Slice", [attn, g.init("zero_i64", np.array([0], np.int64)), g.init("minus_one_i64", np.array([-1], np.int64)),
                                     g.init("one_i64", np.array([1], np.int64))], name=f"l{i}/attn_unpad")[0]

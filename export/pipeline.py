@@ -24,16 +24,17 @@ from edge.manifest import (MANIFEST_NAME, OLD_MARKER, PARTIAL_MARKER, FileEntry,
                            sha256_file)
 from edge.text import TextCodec
 
-from . import calibration, distill, reference, smooth
+from . import calibration, distill, kvquant, reference, smooth
 from .checkpoint import Checkpoint, load_checkpoint
 from .evaluate import GraphRunner, parity, rank_vocabulary
-from .graph import GRAPH_VERSION, GraphOptions, build_graph, host_w8a8_kernel, save_model
+from .graph import GRAPH_VERSION, KV_CACHES, GraphOptions, build_graph, host_w8a8_kernel, save_model
 from .tokenizer import write_tokenizer
 
 # Chosen by measurement on the 2-core dev VMs (README "Quantization"): int8 weights per channel with int8 activations
 # per row (w8a8). Against int4 MatMulNBits: one-row calls 6-9% slower, 8-row verify calls 19-26% faster, so every
 # drafter earns more per step, and top-1 agreement with the fp32 source 0.86 instead of 0.63.
 DEFAULT_PRECISION = "w8a8"
+DEFAULT_KV_CACHE = "float32"
 # Early-exit layers, trimmed vocabulary: the best expected chain speedup of N ∈ {2,4,6,8} × K ∈ {2k,8k,16k,full}
 # on the 2-core dev VM (distilled top-1 agreement ≈ 0.13 for every N ≤ 4, so the cheapest call wins; (2, 8192) is
 # within noise). Even this one stays below plain decoding for chains (≈ 0.96×): the engine's auto mode prefers
@@ -69,8 +70,13 @@ class ExportOptions:
     # int8 GEMM does not saturate (VNNI), else u8u8. Resolved here so the manifest records, and a cached default
     # export is compared on, the layout actually written
     w8a8_kernel: str | None = None
+    # the target's (and its early-exit drafters') KV cache: "int8" codes with static per-channel scales fitted on the
+    # calibration prompts (export/kvquant.py; a quarter of float32's bytes), or "float32"
+    kv_cache: str = DEFAULT_KV_CACHE
 
     def __post_init__(self):
+        if self.kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache {self.kv_cache!r}: choose one of {', '.join(KV_CACHES)}")
         # refused before any work: a negative drafter vocabulary or no calibration text writes a broken model
         for field_name in ("max_len", "calib_new_tokens", "threads"):
             if getattr(self, field_name) < 1:
@@ -90,12 +96,15 @@ class ExportOptions:
             del d["drafter_checkpoints"]
         if self.w8a8_kernel is None:  # not w8a8
             del d["w8a8_kernel"]
+        if self.kv_cache == "float32":  # exports from before the option compare equal
+            del d["kv_cache"]
         return d
 
     def graph_options(self, max_len: int, layers: int | None = None) -> GraphOptions:
         return GraphOptions(precision=self.precision, block_size=self.block_size, accuracy_level=self.accuracy_level,
                             lm_head_bits=self.lm_head_bits, block_min=self.block_min, layers=layers, max_len=max_len,
-                            w8a8_kernel=self.w8a8_kernel)
+                            w8a8_kernel=self.w8a8_kernel,
+                            kv_cache=self.kv_cache if self.precision != "fp16" else "float32")
 
 
 class _Steps:
@@ -445,8 +454,15 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     target_file = "target/model.onnx"
     (part / "target").mkdir()
     target_opts = opts.graph_options(max_len)
-    save_model(build_graph(ck, target_opts), str(part / target_file))
+    save_model(build_graph(ck, replace(target_opts, kv_cache="float32")), str(part / target_file))
     runner = GraphRunner(str(part / target_file), c.layers, c.kv_heads, c.head_dim, opts.threads)
+    kv_scales = None
+    if target_opts.kv_cache == "int8":  # scales from the float-cache graph's own K/V, then the int8-cache graph
+        kv_scales = kvquant.kv_scales(runner, calib)
+        del runner
+        _remove_graph(part / target_file)
+        save_model(build_graph(ck, target_opts, kv_scales=kv_scales), str(part / target_file))
+        runner = GraphRunner(str(part / target_file), c.layers, c.kv_heads, c.head_dim, opts.threads)
     steps.done()
 
     steps.start("parity vs fp32 reference")
@@ -494,6 +510,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
                          lm_head_bits=target_opts.head_bits or 0, w8a8_kernel=target_opts.w8a8_kernel,
                          block_min=target_opts.uses_block_min(c.hidden, c.heads * c.head_dim, c.intermediate),
                          embedding_bits=target_opts.embedding_bits(c.hidden), max_len=max_len,
+                         kv_dtype=target_opts.kv_cache,
                          stats={"latency_ms_s1": round(target_ms[0], 3),
                                 "latency_ms_by_s": [round(t, 3) for t in target_ms],
                                 **({"smoothing": smoothing} if smoothing else {})})]
@@ -506,7 +523,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
         np.save(part / name / "id_map.npy", ids_kept)
         path = part / name / "model.onnx"
         gopts, head_ids = opts.graph_options(max_len, layers), (ids_kept if k < c.vocab else None)
-        save_model(build_graph(ck, gopts, head_ids), str(path))
+        save_model(build_graph(ck, gopts, head_ids, kv_scales=kv_scales), str(path))
         steps.done()
 
         steps.start(f"drafter {name}: agreement")
@@ -525,9 +542,8 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
                                       fit_data["scored"], ck.lm_head[ids_kept], ck.weights["model.norm.weight"],
                                       c.rms_eps, ids_kept)
             if fit.adapter is not None:
-                for f in (path, path.with_name(path.name + ".data")):
-                    f.unlink()  # onnx appends to an existing external-data file
-                save_model(build_graph(ck, gopts, head_ids, adapter=fit.adapter), str(path))
+                _remove_graph(path)
+                save_model(build_graph(ck, gopts, head_ids, adapter=fit.adapter, kv_scales=kv_scales), str(path))
                 stats["top1_agreement"] = _agreement(path, **measure)
             stats["distill"] = {**fit.stats(), "seconds": round(time.perf_counter() - t, 2),
                                 "data_seconds": round(fit_data["seconds"], 2)}
@@ -539,7 +555,8 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
                                  accuracy_level=graphs[0].accuracy_level, lm_head_bits=graphs[0].lm_head_bits,
                                  w8a8_kernel=graphs[0].w8a8_kernel,
                                  block_min=graphs[0].block_min, embedding_bits=graphs[0].embedding_bits,
-                                 max_len=max_len, id_map=f"{name}/id_map.npy", stats=stats))
+                                 max_len=max_len, kv_dtype=gopts.kv_cache, id_map=f"{name}/id_map.npy",
+                                 stats=stats))
 
     built = set()
     for path, k in opts.drafter_checkpoints:
@@ -562,7 +579,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     sizes = {f.path: f.bytes for f in files}
     # fp16 graphs keep an fp16 KV cache (what the runtime allocates and the footprint model counts)
     graphs = [GraphEntry(**{**asdict(g), "weight_bytes": sizes[g.file] + sizes.get(g.file + ".data", 0),
-                            "kv_dtype": "float16" if g.precision == "fp16" else "float32"})
+                            "kv_dtype": "float16" if g.precision == "fp16" else g.kv_dtype})
               for g in graphs]
     report["export_seconds"] = round(time.time() - t0, 1)
     m = Manifest(
@@ -584,6 +601,12 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     m.write(part)
     steps.done()
     return m
+
+
+def _remove_graph(path: Path) -> None:
+    """Delete a written graph before writing another in its place (onnx appends to an existing external-data file)."""
+    for f in (path, path.with_name(path.name + ".data")):
+        f.unlink()
 
 
 def _time_contexts(m: Manifest, part: Path, past: int, threads: int, reps: int = 7) -> Manifest:

@@ -72,7 +72,7 @@ PROTO_BYTES = (1_800, 3_530)  # base, per layer
 
 
 def kv_elem_bytes(kv_dtype: str) -> int:
-    return 2 if kv_dtype == "float16" else 4
+    return {"float16": 2, "int8": 1}.get(kv_dtype, 4)
 
 
 def kv_bytes_per_token(arch: Mapping, layers: int, kv_dtype: str = "float32") -> int:

@@ -172,8 +172,10 @@ class SharedKV:
         self.ort = ort
         self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         self.layers = layers
+        kv_type = {i.name: i.type for i in self.sess.get_inputs()}["past_key_values.0.key"]
+        dtype = {"tensor(int8)": np.int8, "tensor(float16)": np.float16}.get(kv_type, np.float32)
         # + 1: the graph's pad query row writes one K/V slot past the call's tokens (export/graph.py)
-        self.kv = np.zeros((layers, 2, 1, kv_heads, capacity + 1, head_dim), np.float32)
+        self.kv = np.zeros((layers, 2, 1, kv_heads, capacity + 1, head_dim), dtype)
         self._vals = [ort.OrtValue.ortvalue_from_numpy(self.kv[i, j]) for i in range(layers) for j in range(2)]
 
     def run(self, ids, positions, bias, keep: int = 0) -> np.ndarray:
