@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from memory.footprint import KV_SCRATCH_SLOTS as SCRATCH_SLOTS
+from memory.footprint import kv_allocated_slots
 
 
 class CacheFull(Exception):
@@ -31,19 +32,56 @@ def kv_numpy_dtype(kv_dtype: str):
 
 
 class KVCache:
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype=np.float32):
-        # [layer, k|v, 1, kv_heads, capacity + 1, head_dim]: each layer's slice is contiguous. The extra slot is
-        # scratch for the graph's pad query row (export/graph.py), which writes one K/V slot past a full cache
-        self.buf = np.zeros((layers, 2, 1, kv_heads, capacity + SCRATCH_SLOTS, head_dim), dtype)
+    """One [1, kv_heads, slots + 1, head_dim] array per layer and kind, K and V. Only the slots in use are allocated,
+    rounded up (`memory.footprint.kv_allocated_slots`): `reserve` grows the arrays one at a time (so growing never
+    holds two copies of the whole cache) and returns True when it did, and a session bound to the old arrays must
+    then bind the new ones (`arrays`). The extra slot is scratch for the graph's pad query row
+    (export/graph.py), which writes one K/V slot past a call's tokens."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype=np.float32,
+                 reserve_all: bool = False):
         self.capacity = capacity
         self.length = 0
+        self._shape = (1, kv_heads, head_dim)
+        self.dtype = np.dtype(dtype)
+        self.slots = capacity if reserve_all else kv_allocated_slots(1, capacity)
+        self.arrays = [self._zeros(self.slots) for _ in range(2 * layers)]  # [2·i + kind]
+
+    def _zeros(self, slots: int) -> np.ndarray:
+        b, h, d = self._shape
+        return np.zeros((b, h, slots + SCRATCH_SLOTS, d), self.dtype)
 
     def layer(self, i: int, kind: int) -> np.ndarray:
-        return self.buf[i, kind]
+        return self.arrays[2 * i + kind]
+
+    @property
+    def buf(self) -> np.ndarray:
+        """All of it as one [layers, 2, 1, kv_heads, slots + 1, head_dim] copy (inspection and tests)."""
+        n = len(self.arrays) // 2
+        return np.stack(self.arrays).reshape((n, 2) + self.arrays[0].shape)
 
     @property
     def nbytes(self) -> int:
-        return self.buf.nbytes
+        return sum(a.nbytes for a in self.arrays)
+
+    def reserve(self, needed: int, replaced=None) -> bool:
+        """Make room for `needed` slots (committed + pending); True if the arrays were replaced. Every old slot is
+        copied (pending ones too: a verify call's K/V may be committed after it). `replaced(j, new)` is called
+        after array j is replaced, before the next one is allocated: a session rebinds it there, so the old array
+        can be freed and growing costs one layer's copy at a time, not a second whole cache."""
+        if needed <= self.slots:
+            return False
+        slots = kv_allocated_slots(min(needed, self.capacity), self.capacity)
+        for j in range(len(self.arrays)):
+            old = self.arrays[j]
+            new = self._zeros(slots)
+            new[:, :, : old.shape[2]] = old
+            self.arrays[j] = new
+            del old
+            if replaced is not None:
+                replaced(j, new)
+        self.slots = slots
+        return True
 
     def room(self) -> int:
         return self.capacity - self.length
@@ -69,5 +107,6 @@ class KVCache:
             first = int(moved[0])
             src = self.length + idx[first:]
             dst = self.length + np.arange(first, n)
-            self.buf[:, :, :, :, dst] = self.buf[:, :, :, :, src]
+            for a in self.arrays:
+                a[:, :, dst] = a[:, :, src]
         self.append(n)

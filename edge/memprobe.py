@@ -90,8 +90,9 @@ def measure(model_dir: str, context: int, k: int, drafter: str = "lookup", decod
     m = engine.manifest
     cal = Calibration.from_dict((calibration or {}).get("memory"), "cpu")
     spec = Speculation(kind, k)  # drafter "model": the graph the engine runs (memory.footprint.drafter_graph)
+    # the KV arrays as the run left them (edge.kv.KVCache allocates the slots in use, rounded up)
     pred = predict_peak(m, spec, max(1, engine.target.cache.length), cal, min_call=engine.target.min_call,
-                        capacity=capacity)
+                        capacity=engine.target.cache.slots)
     return {"context": context, "k": k, "drafter": kind, "decode": decode, "capacity": capacity,
             "prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens, "generated": st.generated,
             "drafted": st.drafted, "accepted": st.accepted, "widest_call": widest, "min_call": engine.target.min_call,

@@ -113,6 +113,17 @@ class GraphSession:
                 b.bind_ortvalue_output(f"present.{i}.{kind}", self._kv_values[2 * i + j])
         return b
 
+    def _rebind_kv(self, j: int, arr: np.ndarray) -> None:
+        """KV array j (layer j // 2, K or V) was replaced by a larger one (`KVCache.reserve`): every binding
+        takes the new one, and the old one is released."""
+        value = self.ort.OrtValue.ortvalue_from_numpy(arr)
+        self._kv_values[j] = value
+        i, kind = divmod(j, 2)
+        kind = ("key", "value")[kind]
+        for b in {id(b): b for b in (self._bind_full, self._bind_top, *self._by_width.values())}.values():
+            b.bind_ortvalue_input(f"past_key_values.{i}.{kind}", value)
+            b.bind_ortvalue_output(f"present.{i}.{kind}", value)
+
     def _binding(self, s: int, want: bool):
         """The binding a call of width s uses: its own for small calls (created on first use), else the shared one."""
         if s > SMALL_CALL or not self._reuse:
@@ -179,6 +190,8 @@ class GraphSession:
             raise ValueError(f"{s} tokens in one call with all logits kept (max {self.max_call})")
         self.cache.check_room(s)
         L = self.cache.length
+        if L + s > self.cache.slots:
+            self.cache.reserve(L + s, self._rebind_kv)
         if s <= SMALL_CALL:  # decode and verify widths: fixed buffers, filled in place
             if s not in self._small:
                 self._small[s] = (np.zeros((1, s), np.int64), np.zeros((1, s), np.int64))
@@ -407,6 +420,7 @@ class OptimumSession:
             return out[:1]
         self.cache.check_room(s)
         L = self.cache.length
+        self.cache.reserve(L + s)
         if positions is None:
             positions = np.arange(L, L + s, dtype=np.int64)
         feeds = {"input_ids": ids}

@@ -71,6 +71,16 @@ PREFILL_CHUNK = 512
 PROTO_BYTES = (1_800, 3_530)  # base, per layer
 
 
+# edge.kv.KVCache allocates the slots in use, rounded up to this many, and grows by reallocating (never past
+# capacity): memory follows the chat instead of the whole context being reserved and touched at load
+KV_GROW_SLOTS = 256
+
+
+def kv_allocated_slots(needed: int, capacity: int) -> int:
+    """KV slots (scratch excluded) the runtime holds once `needed` are in use, for a cache of `capacity`."""
+    return min(capacity, max(KV_GROW_SLOTS, -(-needed // KV_GROW_SLOTS) * KV_GROW_SLOTS))
+
+
 def kv_elem_bytes(kv_dtype: str) -> int:
     return {"float16": 2, "int8": 1}.get(kv_dtype, 4)
 

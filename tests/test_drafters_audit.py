@@ -272,7 +272,8 @@ def test_hybrid_draft_stays_within_its_budget():
 
 def _numbered_cache(capacity=8, length=2):
     c = KVCache(layers=2, kv_heads=1, head_dim=1, capacity=capacity)
-    c.buf[...] = np.arange(c.buf.shape[4], dtype=np.float32)[:, None]  # slot j holds j
+    for a in c.arrays:
+        a[...] = np.arange(a.shape[2], dtype=np.float32)[:, None]  # slot j holds j
     c.length = length
     return c
 
@@ -374,3 +375,26 @@ def test_padded_single_row_calls_equal_unpadded_ones(tiny_dir, tree):
     assert padded.shape == plain.shape == (1, s.vocab)
     np.testing.assert_allclose(padded, plain, atol=1e-4)
     assert s.top_ids.shape[0] == 1 and s.top_ids[0, 0] == plain[0].argmax()
+
+
+def test_kv_grows_on_demand_and_keeps_every_slot():
+    """Only the slots in use are allocated (rounded up); growing copies every old slot, pending ones too, tells
+    the session which array it replaced, and never goes past capacity."""
+    from memory.footprint import KV_GROW_SLOTS, kv_allocated_slots
+
+    cap = 3 * KV_GROW_SLOTS + 5
+    c = KVCache(layers=2, kv_heads=1, head_dim=1, capacity=cap)
+    assert c.slots == KV_GROW_SLOTS and c.nbytes == 4 * (KV_GROW_SLOTS + 1) * 4
+    for a in c.arrays:
+        a[...] = np.arange(a.shape[2], dtype=np.float32)[:, None]
+    seen = []
+    assert not c.reserve(KV_GROW_SLOTS)
+    assert c.reserve(KV_GROW_SLOTS + 1, lambda j, arr: seen.append((j, arr.shape[2])))
+    assert c.slots == 2 * KV_GROW_SLOTS and seen == [(j, 2 * KV_GROW_SLOTS + 1) for j in range(4)]
+    for a in c.arrays:
+        assert a[0, 0, : KV_GROW_SLOTS + 1, 0].tolist() == list(range(KV_GROW_SLOTS + 1))
+        assert not a[0, 0, KV_GROW_SLOTS + 1 :].any()
+    assert c.reserve(cap + 100) and c.slots == cap  # never past capacity (check_room refuses beyond it)
+    assert kv_allocated_slots(1, 10) == 10 and kv_allocated_slots(KV_GROW_SLOTS * 2 + 1, 10**6) == 3 * KV_GROW_SLOTS
+    full = KVCache(layers=1, kv_heads=1, head_dim=1, capacity=cap, reserve_all=True)
+    assert full.slots == cap

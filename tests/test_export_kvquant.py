@@ -184,3 +184,29 @@ def test_int8_cache_export_is_recorded_and_lossless(tiny_llama_dir, tmp_path):
         r = eng.generate(prompt, max_tokens=24, drafter=drafter, raw=True)
         assert r.token_ids == plain, drafter
         assert r.drafted > 0, drafter  # speculation did run
+
+
+@pytest.mark.parametrize("kv_cache", ["float32", "int8"])
+def test_a_cache_that_grows_mid_answer_gives_the_same_tokens(monkeypatch, tiny_llama_dir, tmp_path, kv_cache):
+    """The KV arrays grow while an answer is generated (here every 8 slots) and are rebound in every binding of
+    the session: plain and speculative answers equal those of a cache allocated whole at load."""
+    import edge
+    import memory.footprint as fp
+    from export.pipeline import export_model
+
+    export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(precision="w8a8", kv_cache=kv_cache),
+                 progress=False)
+    prompt = "one two three four one two three four one two"
+    want = {}
+    for grow in (MAX_LEN, 8):
+        monkeypatch.setattr(fp, "KV_GROW_SLOTS", grow)
+        eng = edge.load(str(tmp_path / "m"))
+        got = {d: eng.generate(prompt, max_tokens=40, drafter=d, raw=True).token_ids
+               for d in ("none", "lookup", "hybrid", "model")}
+        if grow == 8:
+            assert 8 < eng.target.cache.slots < MAX_LEN
+            assert got == want
+        else:
+            assert eng.target.cache.slots == MAX_LEN
+            want = got
+    assert all(v == want["none"] for v in want.values())
