@@ -495,3 +495,42 @@ def check_drafter(model_dir: str | os.PathLike, m: Manifest, g: GraphEntry) -> N
     if np.unique(ids).size != ids.size:
         raise ModelDirError(f"{p}: drafter id map repeats token ids; {fix}")
 
+
+# ONNX Runtime's errors for a graph file it cannot load (a damaged protobuf; external data missing, short, or outside
+# the graph's directory); not those of a provider that fails to start
+ORT_LOAD_FAILURES = ("Fail", "InvalidArgument", "InvalidGraph", "InvalidProtobuf", "NoModel", "NoSuchFile")
+
+
+def open_graph(path: str, m: Manifest, g: GraphEntry, options, providers):
+    """ONNX Runtime's session over graph `g`'s file (at `path`). A file it cannot load, or whose K/V inputs and logits
+    disagree with the manifest, is a ModelDirError naming the file and the re-export command, raised before the
+    runtime sizes a KV cache from the manifest's numbers."""
+    import onnxruntime as ort
+
+    parts = len(Path(g.file).parts)
+    model_dir = Path(path).parents[parts - 1] if 0 < parts <= len(Path(path).parents) else Path(path).parent
+    fix = f"re-run edge-export: {reexport_command(model_dir, _source_path(m.source))}"
+    try:
+        sess = ort.InferenceSession(path, options, providers=list(providers))
+    except Exception as e:
+        if not (type(e).__module__.startswith("onnxruntime") and type(e).__name__ in ORT_LOAD_FAILURES):
+            raise
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        why = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", why).replace(f"Load model from {path} failed:", "")
+        raise ModelDirError(f"{path}: ONNX Runtime cannot load this graph ({why.strip()[:200]}); the file is damaged "
+                            f"or was written for another ONNX Runtime — {fix}") from e
+    i = next((j for j, x in enumerate(m.graphs) if x.name == g.name), None)
+    n = f"graphs[{i}]" if i is not None else f"graph {g.name!r}"
+    shape = f"{n}.arch" if g.arch else "arch"
+    a = m.arch_of(g)
+    keys = [x for x in sess.get_inputs() if re.fullmatch(r"past_key_values\.\d+\.key", x.name)]
+    dims = keys[0].shape if keys and len(keys[0].shape) == 4 else [None] * 4
+    logits = next((x.shape for x in sess.get_outputs() if x.name == "logits"), None) or [None]
+    for what, got, field_name, want in (("layers", len(keys) or None, f"{n}.layers", g.layers),
+                                        ("KV heads", dims[1], f"{shape}.kv_heads", a["kv_heads"]),
+                                        ("KV head size", dims[3], f"{shape}.head_dim", a["head_dim"]),
+                                        ("logits", logits[-1], f"{n}.vocab", g.vocab)):
+        if isinstance(got, int) and got > 0 and got != want:  # (a dimension the graph leaves symbolic is not checked)
+            raise ModelDirError(f"{path}: the graph has {got} {what} but the manifest's {field_name} says {want}; the "
+                                f"manifest does not describe this graph — {fix}")
+    return sess
