@@ -355,7 +355,7 @@ def test_an_optimum_export_without_hidden_sizes_passes_the_schema(model_copy):
     refused(model_copy, "arch.hidden")
 
 
-def test_a_symbolic_link_check_does_not_follow_into_missing_files(model_copy):
+def test_a_missing_file_is_no_escape_when_files_are_not_verified(model_copy):
     """verify="none" tolerates a missing file (edge-chat --plan reads the manifest alone); it is not an escape."""
     os.unlink(model_copy / "target" / "model.onnx.data")
     assert load_manifest(model_copy, verify="none").target.file == "target/model.onnx"
