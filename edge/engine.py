@@ -29,7 +29,8 @@ from memory.planner import (DEFAULT_PRIORS, MAX_CHAIN, Latency, LatencyCurve, be
 
 from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
 from .errors import EngineError  # re-exported: edge.EngineError, edge.engine.EngineError
-from .manifest import VERIFY_LEVELS, ModelDirError, check_drafter, load_manifest, require_drafter_graph
+from .manifest import (VERIFY_LEVELS, ModelDirError, check_drafter, load_manifest, reexport_command,
+                       require_drafter_graph)
 from .runner import HEAD_TOPK_MAX, HEAD_TOPK_NUCLEUS, GraphSession, open_session
 from .text import StreamDecoder, TextCodec
 
@@ -282,7 +283,13 @@ class Engine:
         tok = self.model_dir / m.tokenizer
         if not tok.is_file():
             raise ModelDirError(f"{tok}: tokenizer missing; re-run edge-export")
-        self.codec = TextCodec(tok, m.chat_template, m.special_tokens.get("bos"), tuple(m.special_tokens.get("eos") or ()))
+        try:
+            self.codec = TextCodec(tok, m.chat_template, m.special_tokens.get("bos"),
+                                   tuple(m.special_tokens.get("eos") or ()))
+        except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+            why = str(e).partition("\n")[0][:200]
+            raise ModelDirError(f"{tok}: tokenizer unreadable ({why}); re-run edge-export: "
+                                f"{reexport_command(self.model_dir, m.source.get('path'))}") from e
         if self.codec.vocab_size > m.arch["vocab"]:
             raise ModelDirError(f"{tok}: tokenizer has {self.codec.vocab_size} tokens but the model {m.arch['vocab']}; "
                                 "the tokenizer belongs to another model — re-export")

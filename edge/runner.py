@@ -14,7 +14,7 @@ from kernels.postprocess import GREEDY_K, HEAD_INPUTS
 from kernels.sampling import top_k_ids
 
 from .kv import KVCache, kv_numpy_dtype
-from .manifest import GraphEntry, Manifest
+from .manifest import GraphEntry, Manifest, open_graph
 
 NEG = np.finfo(np.float32).min
 F32_TINY, F32_MAX = float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max)
@@ -52,7 +52,7 @@ class GraphSession:
         import onnxruntime as ort
 
         self.ort = ort
-        self.sess = ort.InferenceSession(path, session_options(threads), providers=list(providers))
+        self.sess = open_graph(path, manifest, graph, session_options(threads), providers)
         warn_int8_gemm(path, graph, providers)
         a = manifest.arch_of(graph)
         self.layers, self.vocab = graph.layers, graph.vocab
@@ -377,10 +377,12 @@ class OptimumSession:
 
     def __init__(self, path: str, layers: int, kv_heads: int, head_dim: int, vocab: int, capacity: int,
                  threads: int = 2, providers=("CPUExecutionProvider",), max_len: int | None = None,
-                 kv_dtype=np.float32, probe: bool = True):
+                 kv_dtype=np.float32, probe: bool = True, manifest: Manifest | None = None,
+                 graph: GraphEntry | None = None):
         import onnxruntime as ort
 
-        self.sess = ort.InferenceSession(path, session_options(threads), providers=list(providers))
+        self.sess = (open_graph(path, manifest, graph, session_options(threads), providers) if graph is not None else
+                     ort.InferenceSession(path, session_options(threads), providers=list(providers)))
         if max_len is not None and capacity > max_len:
             raise ValueError(f"context {capacity} exceeds what {path} was exported for ({max_len})")
         self.layers, self.vocab = layers, vocab
@@ -404,7 +406,7 @@ class OptimumSession:
         a = manifest.arch
         dtype = kv_numpy_dtype(graph.kv_dtype)
         return cls(path, graph.layers, a["kv_heads"], a["head_dim"], graph.vocab, capacity, threads, providers,
-                   max_len=graph.max_len or None, kv_dtype=dtype)
+                   max_len=graph.max_len or None, kv_dtype=dtype, manifest=manifest, graph=graph)
 
     def forward(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True,
                 sample=None) -> np.ndarray:
