@@ -534,4 +534,8 @@ def open_graph(path: str, m: Manifest, g: GraphEntry, options, providers):
         if isinstance(got, int) and got > 0 and got != want:  # (a dimension the graph leaves symbolic is not checked)
             raise ModelDirError(f"{path}: the graph has {got} {what} but the manifest's {field_name} says {want}; the "
                                 f"manifest does not describe this graph — {fix}")
+    cache_type = {"float32": "tensor(float)", "float16": "tensor(float16)", "int8": "tensor(int8)"}.get(g.kv_dtype)
+    if keys and cache_type and keys[0].type != cache_type:
+        raise ModelDirError(f"{path}: the graph's KV cache is {keys[0].type} but the manifest's {n}.kv_dtype says "
+                            f"{g.kv_dtype}; the manifest does not describe this graph — {fix}")
     return sess

@@ -134,7 +134,7 @@ TAMPERED = [
     ("graphs.0.max_len", 1 << 40, "graphs[0].max_len"),
     ("graphs.0.max_len", DELETE, "graphs[0].max_len is missing"),
     ("graphs.1.max_len", -1, "graphs[1].max_len"),
-    ("graphs.0.kv_dtype", "int8", "graphs[0].kv_dtype"),
+    ("graphs.0.kv_dtype", "int4", "graphs[0].kv_dtype"),
     ("graphs.0.tree_capable", 1, "graphs[0].tree_capable"),
     ("graphs.0.io", "tensorrt", "graphs[0].io"),
     ("graphs.0.weight_bytes", -1, "graphs[0].weight_bytes"),
@@ -308,6 +308,7 @@ def test_a_damaged_drafter_graph_is_refused_on_first_use(model_copy):
     ({"arch.head_dim": 32}, "arch.head_dim"),
     ({"arch.layers": 4, "graphs.0.layers": 4}, "graphs[0].layers"),
     ({"arch.vocab": 400, "graphs.0.vocab": 400}, "graphs[0].vocab"),
+    ({"graphs.0.kv_dtype": "int8"}, "graphs[0].kv_dtype"),  # a float-cache graph said to hold int8 codes
 ])
 def test_a_manifest_that_does_not_describe_its_graph_is_refused_before_allocating(model_copy, changes, named):
     for field, value in changes.items():
