@@ -82,7 +82,7 @@ class TextCodec:
             # no template: plain "role: content" lines, so base models still work
             body = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return body + ("assistant: " if add_generation_prompt else "")
-        budget = _Budget(time.monotonic() + RENDER_SECONDS, RENDER_CHARS + 4 * _text_size(messages))
+        budget = _Budget(RENDER_SECONDS, RENDER_CHARS + 4 * _text_size(messages))
         _active.budget = budget
         try:
             if self._template is None:  # compiled under the budget too (constant folding runs template code)
@@ -253,14 +253,14 @@ def _template_error(e: Exception) -> ChatTemplateError:
 # ----------------------------------------------------------------------------- the template environment
 
 class _Budget:
-    __slots__ = ("deadline", "chars")
+    __slots__ = ("seconds", "deadline", "chars")
 
-    def __init__(self, deadline: float, chars: int):
-        self.deadline, self.chars = deadline, chars
+    def __init__(self, seconds: float, chars: int):
+        self.seconds, self.deadline, self.chars = seconds, time.monotonic() + seconds, chars
 
     def tick(self) -> None:
         if time.monotonic() > self.deadline:
-            raise _OverBudget(f"took more than {RENDER_SECONDS:g} s to render (a loop or recursion that runs too "
+            raise _OverBudget(f"took more than {self.seconds:g} s to render (a loop or recursion that runs too "
                               "long)")
 
 
