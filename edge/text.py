@@ -349,7 +349,7 @@ def _filter_size(name: str, value, args: tuple, kwargs: dict) -> int:
     if name == "join" and hasattr(value, "__len__"):
         d = a if a is not None else kwargs.get("d", "")
         return len(d) * len(value) if isinstance(d, str) else 0
-    if name == "tojson":
+    if name == "tojson":  # an indent repeats on every line: taken as 1024 lines
         indent = args[1] if len(args) > 1 else kwargs.get("indent")
         return indent * 1024 if isinstance(indent, int) else len(indent) * 1024 if isinstance(indent, str) else 0
     return 0
