@@ -75,7 +75,12 @@ def chat_context_problem(engine, system: str | None = None) -> str | None:
     """Why the loaded engine cannot hold a chat at all (its context is shorter than an empty question, with the
     chat template and the system prompt, plus one answer token), or None. edge-chat and edge-serve refuse such a
     --context at start instead of refusing every question."""
-    empty = len(engine.encode(messages("", system)))
+    from .errors import EngineError
+
+    try:
+        empty = len(engine.encode(messages("", system)))
+    except EngineError as e:  # the chat template refuses or fails on a plain question: say so at start
+        return str(e)
     if engine.context > empty:
         return None
     with_system = " and the system prompt" if system else ""

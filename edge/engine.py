@@ -107,7 +107,7 @@ def normalize_messages(msgs) -> list[dict]:
             raise BadMessage(f"bad message {i}: expected {{'role': ..., 'content': ...}} (got {m!r:.60})",
                              f"messages[{i}]")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # (a list or dict role is unhashable)
             raise BadMessage(f"bad message {i}: role {role!r}; expected one of {', '.join(ROLES)}",
                              f"messages[{i}].role")
         out.append({**m, "role": ROLES[role], "content": _content(m, i)})
@@ -565,7 +565,9 @@ class Engine:
         return self._model_drafter(p, rng), p.draft_len if p.draft_len is not None else 6
 
     # ------------------------------------------------------------------ encoding
-    def encode(self, prompt_or_messages, raw: bool = False) -> list[int]:
+    def encode(self, prompt_or_messages, raw: bool = False, *, special_tokens_in_content: bool = False) -> list[int]:
+        """The prompt's token ids. Message text is encoded as text (a control token's string in it stays text);
+        `special_tokens_in_content=True` lets it become control tokens (see TextCodec.encode_chat)."""
         if isinstance(prompt_or_messages, str):
             if raw:
                 return self.codec.encode(prompt_or_messages)
@@ -578,10 +580,8 @@ class Engine:
                 raise EngineError("no messages: give a prompt string or a non-empty list of {'role', 'content'} dicts")
         else:
             raise EngineError(f"prompt must be a string or a list of messages (got {type(prompt_or_messages).__name__})")
-        try:
-            return self.codec.encode_chat(msgs)
-        except ValueError as e:  # the template refuses (roles that must alternate, no system message, ...)
-            raise EngineError(f"{e} (a rule of this model's chat template)") from e
+        # a ChatTemplateError (an EngineError) when the template refuses them, fails or runs past its budget
+        return self.codec.encode_chat(msgs, special_tokens_in_content=special_tokens_in_content)
 
     # ------------------------------------------------------------------ the loop
     def _prefill(self, ids: list[int], st: Stats) -> np.ndarray:
@@ -839,15 +839,18 @@ class Engine:
         return self.target.run_s + (self._drafter_sess.run_s if self._drafter_sess is not None else 0.0)
 
     # ------------------------------------------------------------------ public API
-    def stream(self, prompt_or_messages, raw: bool = False, **kw) -> Iterator[Chunk]:
+    def stream(self, prompt_or_messages, raw: bool = False, *, special_tokens_in_content: bool = False,
+               **kw) -> Iterator[Chunk]:
         p = GenerationParams(**_normalize(kw))
-        ids = self.encode(prompt_or_messages, raw=raw)
+        ids = self.encode(prompt_or_messages, raw=raw, special_tokens_in_content=special_tokens_in_content)
         with _holding(self._lock, f"this engine is already generating ({BUSY_HINT}); serialize calls or load a "
                       "second engine"):
             yield from self._run(ids, p)
 
-    def generate(self, prompt_or_messages, raw: bool = False, **kw) -> GenerationResult:
-        return collect(self.stream(prompt_or_messages, raw=raw, **kw), self)
+    def generate(self, prompt_or_messages, raw: bool = False, *, special_tokens_in_content: bool = False,
+                 **kw) -> GenerationResult:
+        return collect(self.stream(prompt_or_messages, raw=raw, special_tokens_in_content=special_tokens_in_content,
+                                   **kw), self)
 
     def chat(self, system: str | None = None, overflow: str = "refuse") -> "Chat":
         return Chat(self, system, overflow)
@@ -917,12 +920,13 @@ class Chat:
         self._lock = threading.Lock()
         self.messages = [{"role": "system", "content": system}] if system else []
 
-    def _fit(self, max_tokens: int) -> None:
+    def _fit(self, max_tokens: int, special_tokens_in_content: bool = False) -> None:
         """Drop the oldest turns (after the system message) until prompt + min(max_tokens, context / 2) fits;
         a turn is a user message and the answer after it."""
         e, first = self.engine, 1 if self.system else 0
         reserve = min(max_tokens, e.context // 2)
-        while len(self.messages) - first > 1 and len(e.encode(self.messages)) + reserve > e.context:
+        while len(self.messages) - first > 1 and len(e.encode(
+                self.messages, special_tokens_in_content=special_tokens_in_content)) + reserve > e.context:
             del self.messages[first]
             self.dropped += 1
             while len(self.messages) - first > 1 and self.messages[first]["role"] != "user":
@@ -934,7 +938,7 @@ class Chat:
             self.engine.reset(keep_drafter_state)
             self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
-    def send(self, text: str, **kw) -> Iterator[Chunk]:
+    def send(self, text: str, *, special_tokens_in_content: bool = False, **kw) -> Iterator[Chunk]:
         if not isinstance(text, str):
             raise EngineError(f"a chat message is a string (got {type(text).__name__})")
         if not text.strip():
@@ -948,8 +952,9 @@ class Chat:
                 if self.overflow == "drop_oldest":
                     params = GenerationParams(**_normalize(dict(kw)))
                     params.check(self.engine.context)  # a bad max_tokens is refused as such, not mid-arithmetic
-                    self._fit(params.max_tokens)
-                n, ctx = len(self.engine.encode(self.messages)), self.engine.context
+                    self._fit(params.max_tokens, special_tokens_in_content)
+                n = len(self.engine.encode(self.messages, special_tokens_in_content=special_tokens_in_content))
+                ctx = self.engine.context
                 if n >= ctx:
                     alone = len(self.messages) == 1 + bool(self.system)  # no earlier turn left to drop
                     raise ContextFull(
@@ -958,7 +963,7 @@ class Chat:
                            if alone or self.overflow == "drop_oldest" else
                            "start a new chat (reset), or use Chat(overflow='drop_oldest') to drop the oldest turns"),
                         n, ctx, alone)
-                for ch in self.engine.stream(self.messages, **kw):
+                for ch in self.engine.stream(self.messages, special_tokens_in_content=special_tokens_in_content, **kw):
                     answer.append(ch.text)
                     started = True
                     yield ch
