@@ -106,7 +106,7 @@ def normalize_messages(msgs) -> list[dict]:
             raise BadMessage(f"bad message {i}: expected {{'role': ..., 'content': ...}} (got {m!r:.60})",
                              f"messages[{i}]")
         role = m.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:  # a list or dict is unhashable: refused, not a TypeError
             raise BadMessage(f"bad message {i}: role {role!r}; expected one of {', '.join(ROLES)}",
                              f"messages[{i}].role")
         out.append({**m, "role": ROLES[role], "content": _content(m, i)})
