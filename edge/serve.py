@@ -26,6 +26,8 @@ import inspect
 import ipaddress
 import json
 import logging
+import math
+import re
 import sys
 import threading
 import time
@@ -37,9 +39,26 @@ from .manifest import ModelDirError
 
 log = logging.getLogger("edge.serve")
 
-MAX_BODY = 4 << 20  # bytes; a prompt past the context is refused anyway, this bounds the tokenizer's work
+# A request body is held and parsed whole, and JSON parsing costs up to ~27 bytes of memory per body byte (a body
+# of `[{}, {}, ...]`); 1 MiB is ~60 times a prompt that fills a 4096-token context (--max-body-mb)
+MAX_BODY = 1 << 20
 MAX_STOP = 4  # OpenAI's limit
 SHUTDOWN_GRACE_S = 5  # after Ctrl-C / SIGTERM, uvicorn's wait for open requests (each was told to stop already)
+MAX_CONNECTIONS = 512  # open connections (--max-connections); a browser opens at most 6 per host
+HEADER_TIMEOUT_S = 10.0  # a connection's request head must arrive within this (--header-timeout)
+BODY_TIMEOUT_S = 30.0  # ... and its body within this (--body-timeout)
+FD_RESERVE = 256  # descriptors kept for the model's files, ONNX Runtime, logs
+BACKLOG = 2048  # uvicorn's: pending connections the kernel holds, and asyncio accepts at a time
+LOG_EVERY_S = 10.0  # a flood of one kind of log line prints one line (with a count) per this many seconds
+# Tokenizing costs ~300-450 bytes of memory per token, all at once, and holds the GIL: a prompt whose template
+# renders to more than this many UTF-8 bytes is first counted a piece at a time, and refused once it cannot fit
+WHOLE_PROMPT_BYTES = 32 << 10  # tokenized whole: ~15 MB at most
+PIECE_CHARS = 8192  # counted pieces: ~15 MB at most each
+CUT_SLACK = 4  # tokens a cut between pieces may add to their count
+_CUT = re.compile(r"\S \S")  # a single space between two non-spaces: where the pre-tokenizers split anyway
+# NFC / NFKC compose up to 4 code points into one character (U+1FAF: Ω + 3 marks), and NFKC maps one character of
+# 4 UTF-8 bytes to one of 1 (U+1FBF9): the tokenizer may see a text up to 4 times shorter than the request's
+NORMALIZER_SHRINK = 4
 
 
 class ApiError(Exception):
@@ -93,15 +112,153 @@ def _int(body: dict, key: str, lo: int, param: str | None = None) -> int | None:
     return v
 
 
-def _messages(body: dict) -> list[dict]:
+@dataclass(frozen=True)
+class PromptLimits:
+    """Bounds a prompt is held to before it is tokenized (tokenizing a long prompt costs ~300 bytes of memory per
+    token and holds the GIL). Each bound only refuses prompts that cannot fit in `context` tokens:
+
+    - messages: fewer than `context`, since every chat template marks where each message starts (a token at least).
+    - text: a token spans at most `span` units of the text it stands for (its longest vocabulary entry; units are
+      UTF-8 bytes for a byte-level BPE without a normalizer, which splits the text's bytes into tokens, else
+      characters), so more than (context - 1) × span units need at least `context` tokens. Contents are measured
+      without surrounding whitespace (templates that trim them); a normalizer that composes characters (NFC, NFKC)
+      multiplies `span` by NORMALIZER_SHRINK; one that may drop text (None) leaves the text unbounded.
+    These are cheap and far above any conversation that fits (`span` is the vocabulary's longest token, 81 bytes
+    for SmolLM2's, against ~4 bytes per token of prose), so a template that leaves part of a message out (an
+    earlier turn's reasoning) would need a history many contexts long to be refused wrongly. Prompts that pass
+    them but are large are counted before they are tokenized whole (`refuse_if_surely_too_long`)."""
+    context: int
+    span: int | None = None
+    unit: str = "bytes"  # or "characters"
+
+    def check_count(self, msgs: list) -> None:
+        if len(msgs) >= self.context:
+            raise ApiError(400, f"messages: {len(msgs)} messages cannot fit in the context of {self.context} tokens "
+                                "(every message takes at least one token); shorten the conversation",
+                           "messages", "context_length_exceeded")
+
+    def check_text(self, msgs: list[dict]) -> None:
+        if self.span is None:
+            return
+        size = (sum(len(m["content"].strip().encode("utf-8", "surrogatepass")) for m in msgs)
+                if self.unit == "bytes" else sum(len(m["content"].strip()) for m in msgs))
+        most = (self.context - 1) * self.span
+        if size > most:
+            raise ApiError(400, f"messages: {size:,} {self.unit} of text cannot fit in the context of {self.context} "
+                                f"tokens (no token of this tokenizer spans more than {self.span} {self.unit}, so at "
+                                f"most {most:,} fit); shorten the conversation (or restart edge-serve with a larger "
+                                "--context)", "messages", "context_length_exceeded")
+
+
+def prompt_limits(engine) -> PromptLimits:
+    """PromptLimits for an engine's context and tokenizer (read once, ~50 ms for a 49k vocabulary). An engine
+    without a `tokenizers` tokenizer (a test's stand-in) gets the message bound only."""
+    context = int(engine.context)
+    codec = getattr(engine, "codec", None)
+    tok = getattr(codec, "tok", None)
+    if tok is None:
+        return PromptLimits(context)
+    try:
+        shrink = _normalizer_shrink(tok.normalizer)
+        if shrink is None:
+            return PromptLimits(context)
+        if shrink == 0 and codec.byte_level:  # no normalizer: a token stands for at most its own bytes
+            added = tok.get_added_tokens_decoder().values()
+            span = max([len(t) for t in tok.get_vocab(with_added_tokens=False)]
+                       + [len(a.content.encode("utf-8")) for a in added])
+            return PromptLimits(context, span, "bytes")
+        span = max(len(t) for t in tok.get_vocab(with_added_tokens=True)) * max(shrink, 1)
+        return PromptLimits(context, span, "characters")
+    except Exception:  # noqa: BLE001 - an unusual tokenizer: the other bounds still hold
+        log.warning("no text-size bound for this tokenizer", exc_info=True)
+        return PromptLimits(context)
+
+
+def _normalizer_shrink(normalizer) -> int | None:
+    """How many times shorter (in characters) a normalizer can make a text: 0 for none at all, 1 when no step
+    shortens it, NORMALIZER_SHRINK for composing steps, None when a step may drop text (strip accents, remove
+    control characters, a regex replacement)."""
+    if normalizer is None:
+        return 0
+    steps, out = [json.loads(normalizer.__getstate__())], 0
+    while steps:
+        n = steps.pop()
+        kind = n.get("type")
+        if kind == "Sequence":
+            steps.extend(n.get("normalizers") or [])
+        elif kind in ("NFC", "NFKC"):
+            out = max(out, NORMALIZER_SHRINK)
+        elif kind in ("NFD", "NFKD", "Lowercase", "Prepend"):
+            out = max(out, 1)
+        elif kind == "Replace":
+            pattern = (n.get("pattern") or {}).get("String")
+            if pattern is None or len(n.get("content") or "") < len(pattern):
+                return None  # a regex, or a replacement shorter than what it replaces
+            out = max(out, 1)  # e.g. "▁" for " "
+        else:
+            return None
+    return out
+
+
+def tokens_at_least(encode, text: str, context: int) -> tuple[int, int]:
+    """(tokens counted, cuts): `text` tokenized a piece of at most PIECE_CHARS at a time, stopping as soon as the
+    count shows it cannot fit in `context` tokens; memory and GIL hold are one piece's. Pieces are cut at a single
+    space between two non-spaces, where the regex pre-tokenizers of byte-level BPEs (GPT-2, Llama 3, Qwen) and
+    SentencePiece's whitespace split cut too, so their pieces' tokens are the whole's; elsewhere (a prepended "▁",
+    a long run without spaces cut anywhere) a cut can change the count by a token or two, and CUT_SLACK tokens per
+    cut are given back: `tokens - CUT_SLACK * cuts >= context` means it cannot fit."""
+    count = cuts = start = 0
+    while start < len(text) and count - CUT_SLACK * cuts < context:
+        end = start + PIECE_CHARS
+        if end < len(text):
+            m = _CUT.search(text, start + PIECE_CHARS // 2, end + 1)
+            end = m.start() + 1 if m else end
+            cuts += 1
+        count += len(encode(text[start:end]))
+        start = end
+    return count, cuts
+
+
+def may_be_large(msgs: list[dict]) -> bool:
+    """Could `msgs` render to more than WHOLE_PROMPT_BYTES? (UTF-8 takes at most 4 bytes a character; a template's
+    own markup is a few dozen bytes a message.) Most requests are answered no here, on the event loop."""
+    return 4 * sum(len(m["content"]) for m in msgs) + 64 * len(msgs) > WHOLE_PROMPT_BYTES
+
+
+def refuse_if_surely_too_long(engine, msgs: list[dict]) -> None:
+    """ApiError(400) when the prompt `msgs` renders to cannot fit in the context, found by `tokens_at_least` on a
+    prompt of more than WHOLE_PROMPT_BYTES before anything tokenizes it whole. The rendered prompt, not the
+    messages: templates leave parts out (an earlier turn's reasoning). Runs off the event loop."""
+    render = getattr(getattr(engine, "codec", None), "render", None)
+    if render is None:  # a stand-in engine
+        return
+    try:
+        text = render(msgs)
+    except Exception:  # noqa: BLE001 - a template's own refusal: the engine says it in its words
+        return
+    if len(text.encode("utf-8", "surrogatepass")) <= WHOLE_PROMPT_BYTES:
+        return
+    count, cuts = tokens_at_least(lambda t: engine.encode(t, raw=True), text, engine.context)
+    if count - CUT_SLACK * cuts >= engine.context:
+        raise ApiError(400, f"the messages are over {count - CUT_SLACK * cuts} tokens but the context holds "
+                            f"{engine.context}; shorten the conversation (or restart edge-serve with a larger "
+                            "--context)", "messages", "context_length_exceeded")
+
+
+def _messages(body: dict, limits: PromptLimits | None = None) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages",
                        "missing_required_parameter" if msgs is None else "invalid_value")
+    if limits is not None:
+        limits.check_count(msgs)  # before copying them
     try:  # the engine's rules (roles, text parts); only role and content reach the template here
-        return [{"role": m["role"], "content": m["content"]} for m in normalize_messages(msgs)]
+        out = [{"role": m["role"], "content": m["content"]} for m in normalize_messages(msgs)]
     except BadMessage as e:
         raise ApiError(400, str(e), e.param, "invalid_value") from None
+    if limits is not None:
+        limits.check_text(out)
+    return out
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -137,20 +294,35 @@ def _extensions(body: dict) -> dict:
     return out
 
 
-async def _read_body(request) -> bytes:
-    """The request body, refused with 413 as soon as it is known to pass MAX_BODY (from Content-Length, or while
-    reading): a client cannot make the server hold an arbitrarily large body in memory."""
+async def _read_body(request, limit: int = MAX_BODY, timeout: float | None = None) -> bytes:
+    """The request body, refused with 413 as soon as it is known to pass `limit` (from Content-Length, or while
+    reading): a client cannot make the server hold an arbitrarily large body in memory. A body that has not
+    arrived within `timeout` seconds is a 408 (a client trickling it would hold its connection forever); a client
+    that leaves mid-body is a 499, which nobody reads and nothing logs."""
+    from starlette.requests import ClientDisconnect
+
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY:
-        raise ApiError(413, f"request body is {int(declared)} bytes; the limit is {MAX_BODY}", None,
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"request body is {int(declared)} bytes; the limit is {limit} (--max-body-mb)", None,
                        "request_too_large")
-    parts, n = [], 0
-    async for chunk in request.stream():
-        n += len(chunk)
-        if n > MAX_BODY:
-            raise ApiError(413, f"request body is over the limit of {MAX_BODY} bytes", None, "request_too_large")
-        parts.append(chunk)
-    return b"".join(parts)
+
+    async def read() -> bytes:
+        parts, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > limit:
+                raise ApiError(413, f"request body is over the limit of {limit} bytes (--max-body-mb)", None,
+                               "request_too_large")
+            parts.append(chunk)
+        return b"".join(parts)
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"request body not received within {timeout:g} s (--body-timeout)", None,
+                       "request_timeout") from None
+    except ClientDisconnect:
+        raise _client_gone() from None
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -170,8 +342,9 @@ def _refuse_unsupported(body: dict) -> None:
                             "'none' are accepted)", "tool_choice", "unsupported_parameter")
 
 
-def parse_chat_request(raw: bytes, default_max_tokens: int) -> ChatRequest:
-    """Validate a chat-completions body → ChatRequest; ApiError(400) names the offending parameter.
+def parse_chat_request(raw: bytes, default_max_tokens: int, limits: PromptLimits | None = None) -> ChatRequest:
+    """Validate a chat-completions body → ChatRequest; ApiError(400) names the offending parameter, or the bound
+    of `limits` a prompt that cannot fit passes (checked before it is tokenized).
     Unknown top-level fields (user, logit_bias, ...) are ignored, as OpenAI-compatible servers commonly do."""
     try:
         body = json.loads(raw)
@@ -181,7 +354,7 @@ def parse_chat_request(raw: bytes, default_max_tokens: int) -> ChatRequest:
         raise ApiError(400, "request body is not valid JSON: nested too deeply", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
-    messages = _messages(body)
+    messages = _messages(body, limits)
     if body.get("model") is not None and not isinstance(body["model"], str):  # any name is served (one model)
         raise ApiError(400, f"model must be a string (got {body['model']!r})", "model", "invalid_value")
     n = body.get("n")
@@ -235,14 +408,21 @@ class Job:
         return await self.out.get()
 
 
+OUTCOMES = ("completed", "cancelled", "rejected", "invalid", "failed")
+
+
 class Worker:
-    """The only thread that touches the engine. Holds at most one running job plus `max_queue` waiting ones."""
+    """The only thread that touches the engine. Holds at most one running job plus `max_queue` waiting ones.
+
+    Counts each chat request's outcome once (`status`): completed; cancelled (its client left, or a shutdown cut it
+    short); rejected (503: the queue was full); invalid (4xx: a bad request, a prompt that cannot fit, a body too
+    large or too slow, whether found while parsing or once queued); failed (500)."""
 
     def __init__(self, engine, max_queue: int = 8, reuse: bool = True):
         self.engine, self.max_queue, self.reuse = engine, max_queue, reuse
         self.waiting: collections.deque[Job] = collections.deque()
         self.current: Job | None = None
-        self.counts = collections.Counter()  # completed / cancelled / rejected / failed
+        self.counts = collections.Counter()  # OUTCOMES
         self._cv = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="edge-serve-engine", daemon=True)
@@ -279,14 +459,21 @@ class Worker:
             self.counts["cancelled"] += 1
         job.emit("error", _client_gone())
 
+    def note(self, outcome: str) -> None:
+        """Count a request answered before it reached the queue (parsing, reading its body)."""
+        with self._cv:
+            self.counts[outcome] += 1
+
     def submit(self, job: Job) -> None:
         with self._cv:
             if self._stopping:
                 raise _shutting_down()
-            if len(self.waiting) + (self.current is not None) > self.max_queue:
+            held = len(self.waiting) + (self.current is not None)  # the one the worker is about to take is waiting
+            if held > self.max_queue:
                 self.counts["rejected"] += 1
-                raise ApiError(503, f"server busy: {len(self.waiting)} request(s) already waiting (--max-queue "
-                                    f"{self.max_queue}); retry later", code="server_busy")
+                raise ApiError(503, f"server busy: {held} requests already running or waiting, the most --max-queue "
+                                    f"{self.max_queue} allows ({self.max_queue} waiting while one runs); retry "
+                                    "later", code="server_busy")
             self.waiting.append(job)
             self._cv.notify()
             # a Ctrl-C / SIGTERM handler (drain) may have run on this thread between the check above and the
@@ -301,7 +488,7 @@ class Worker:
     def status(self) -> dict:
         with self._cv:
             return {"busy": self.current is not None, "waiting": len(self.waiting), "max_queue": self.max_queue,
-                    **{k: self.counts[k] for k in ("completed", "cancelled", "rejected", "failed")}}
+                    **{k: self.counts[k] for k in OUTCOMES}}
 
     def _loop(self) -> None:
         while True:
@@ -355,7 +542,7 @@ class Worker:
             log.exception("generation failed")
             job.emit("error", ApiError(500, f"internal error: {type(x).__name__}: {x}"))
             return "failed"
-        return "rejected"
+        return "invalid"  # a client error found once queued: a bad request, not a full queue
 
 
 # ---------------------------------------------------------------------------------------------- response bodies
@@ -460,10 +647,66 @@ class _OriginGuard:
         await self.app(scope, receive, send)
 
 
+def _host_name(host: str) -> str:
+    """A Host header's name or address, lower case, without port, brackets or a final dot."""
+    h = host.strip().lower()
+    if h.startswith("["):
+        return h[1:h.find("]")] if "]" in h else h
+    if h.count(":") == 1:  # name:port (more colons: an unbracketed IPv6 address, kept whole)
+        h = h.split(":")[0]
+    return h.rstrip(".")
+
+
+def host_allowed(host: str | None, allowed=(), bound: str | None = None) -> bool:
+    """May a request whose Host header is `host` be served? DNS rebinding: a web page whose own name its author
+    points at 127.0.0.1 reaches this server with `Host: <that name>`, and the browser treats it as the page's own
+    site. So names are served only when they are this machine's (localhost, *.localhost, which resolve to loopback
+    only), the address the server was bound to (--host), or given with --allow-host ("*": any). An IP address
+    cannot be rebound (a page at an address comes from the machine that has it), so addresses are served; so is
+    a request without a Host (HTTP/1.0: not a browser's)."""
+    if host is None or not host.strip():
+        return True
+    name = _host_name(host)
+    if "*" in allowed or name in {_host_name(a) for a in allowed}:
+        return True
+    if name == "localhost" or name.endswith(".localhost") or (bound is not None and name == _host_name(bound)):
+        return True
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return False
+
+
+class _HostGuard:
+    """Refuses (403) requests addressed to a name that is not this server's (`host_allowed`), before any work."""
+
+    def __init__(self, app, allowed=(), bound=None):
+        self.app, self.allowed, self.bound = app, tuple(allowed), bound
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            host = dict(scope["headers"]).get(b"host")
+            host = None if host is None else host.decode("latin-1")
+            if not host_allowed(host, self.allowed, self.bound):
+                from starlette.responses import JSONResponse
+
+                name = _host_name(host)
+                e = ApiError(403, f"requests for host {name!r} are refused (a web page can reach a local server "
+                                  f"under its own name by DNS rebinding); to serve it, start edge-serve with "
+                                  f"--allow-host {name}", None, "host_not_allowed")
+                await JSONResponse(e.body(), 403)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_tokens: int = 1024,
-               allow_origins=()):
+               allow_origins=(), allow_hosts=(), bound_host: str | None = None, max_body: int = MAX_BODY,
+               body_timeout: float | None = BODY_TIMEOUT_S):
     """The ASGI app around one loaded Engine (the caller keeps ownership of the engine). `allow_origins`: web
-    page origins allowed besides this machine's own (`origin_allowed`)."""
+    page origins allowed besides this machine's own (`origin_allowed`); `allow_hosts`: Host names served besides
+    this machine's and `bound_host` (`host_allowed`); `max_body` bytes and `body_timeout` seconds: a request body's
+    limits. Prompts are held to `prompt_limits(engine)` before they are queued."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.middleware import Middleware
@@ -472,6 +715,7 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
     from starlette.routing import Route
 
     worker = Worker(engine, max_queue, reuse)
+    limits = prompt_limits(engine)
     model_id = engine.manifest.name
     started = int(time.time())
 
@@ -494,8 +738,13 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
         return JSONResponse(e.body(), e.status, headers=headers)
 
     async def chat_completions(request):
-        body = await _read_body(request)
-        req = parse_chat_request(body, default_max_tokens)
+        try:
+            req = parse_chat_request(await _read_body(request, max_body, body_timeout), default_max_tokens, limits)
+            if may_be_large(req.messages):
+                await asyncio.to_thread(refuse_if_surely_too_long, engine, req.messages)
+        except ApiError as e:  # answered before the queue: counted here, the worker counts the rest
+            worker.note("cancelled" if e.status == 499 else "invalid")
+            raise
         job = Job(req, asyncio.get_running_loop())
         worker.submit(job)
         watcher = asyncio.create_task(_cancel_on_disconnect(request.receive, job, worker))
@@ -534,8 +783,10 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
         return JSONResponse(model_card())
 
     async def health(request):
+        conns = getattr(request.app.state, "connections", None)  # set by main(): the connection limits' counters
         return JSONResponse({"status": "ok", "model": model_id, "drafter": engine.default_drafter,
-                             "context": engine.context, "reuse": reuse, **worker.status()})
+                             "context": engine.context, "reuse": reuse, **worker.status(),
+                             **({"connections": conns.status()} if conns is not None else {})})
 
     async def on_api_error(request, e: ApiError):
         return error_response(e)
@@ -561,12 +812,190 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
                             Route("/health", health)],
                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash},
                     lifespan=lifespan,
-                    # allowed pages get CORS answers (and their preflight); the guard has refused all others
-                    middleware=[Middleware(_OriginGuard, allowed=allow_origins),
+                    # allowed pages get CORS answers (and their preflight); the guards have refused all others
+                    middleware=[Middleware(_HostGuard, allowed=allow_hosts, bound=bound_host),
+                                Middleware(_OriginGuard, allowed=allow_origins),
                                 Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST"],
                                            allow_headers=["*"])])
     app.state.worker = worker
     return app
+
+
+# ---------------------------------------------------------------------------------------------- connections
+
+class ConnectionLimits:
+    """At most `max_connections` open connections, each given `header_timeout` seconds for every request head.
+
+    uvicorn's own `limit_concurrency` is no help here: it answers 503 to a request once its head is parsed, counting
+    idle connections too, so a client holding idle sockets would turn every real request into a 503; and nothing
+    closes a connection that never sends a request. Here a new connection over the cap closes the oldest one that is
+    not in the middle of a request (idle, or still sending its head); when every one is, the new one is answered 503
+    and closed. A request's body has its own deadline (--body-timeout); queued and running requests are bounded by
+    --max-queue. Floods are logged as one line per LOG_EVERY_S with counts, never one per connection."""
+
+    def __init__(self, max_connections: int = MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT_S,
+                 clock=time.monotonic):
+        self.max_connections, self.header_timeout, self.clock = max_connections, header_timeout, clock
+        self.open: dict = {}  # protocol -> None, oldest first
+        self.counts = collections.Counter()  # closed_idle / refused / timed_out, since start
+        self._unlogged = collections.Counter()
+        self._log_at = -math.inf
+
+    def admit(self, conn) -> bool:
+        """Register a new connection, making room by closing the oldest idle one; False: refuse it."""
+        if len(self.open) >= self.max_connections:
+            victim = next((c for c in self.open if c.waiting_for_head()), None)
+            if victim is None:
+                self._note("refused")
+                return False
+            del self.open[victim]
+            victim.close_idle()
+            self._note("closed_idle")
+        self.open[conn] = None
+        return True
+
+    def forget(self, conn) -> None:
+        self.open.pop(conn, None)
+
+    def timed_out(self) -> None:
+        self._note("timed_out")
+
+    def status(self) -> dict:
+        return {"open": len(self.open), "max": self.max_connections, **{k: self.counts[k] for k in
+                                                                         ("closed_idle", "refused", "timed_out")}}
+
+    def _note(self, kind: str) -> None:
+        self.counts[kind] += 1
+        self._unlogged[kind] += 1
+        now = self.clock()
+        if kind != "timed_out" and now >= self._log_at:  # timeouts alone are routine: counted in /health only
+            n = self._unlogged
+            done = [f"closed {n['closed_idle']} idle connection(s) to admit new ones"] if n["closed_idle"] else []
+            done += [f"refused {n['refused']} new connection(s), every open one busy"] if n["refused"] else []
+            log.warning(f"--max-connections {self.max_connections} reached: {'; '.join(done)} (one such line per "
+                        f"{LOG_EVERY_S:g} s at most; /health counts them all)")
+            self._unlogged.clear()
+            self._log_at = now + LOG_EVERY_S
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type:
+    """uvicorn's h11 protocol, held to `limits`: registered on connect, and closed when a request head has not
+    fully arrived `limits.header_timeout` seconds after the connection opened or its last response ended (a client
+    that never sends, or trickles its headers a byte at a time)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    busy = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"retry-after: 1\r\n")
+    body = json.dumps(ApiError(503, f"server busy: all {limits.max_connections} connections (--max-connections) are "
+                                    "serving requests; retry later", code="server_busy").body()).encode()
+    refusal = busy + b"content-length: %d\r\n\r\n" % len(body) + body
+
+    class GuardedH11Protocol(H11Protocol):
+        _head_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            if limits.admit(self):
+                self._await_head()
+            else:
+                transport.write(refusal)
+                transport.close()
+
+        def data_received(self, data):
+            super().data_received(data)
+            if self._head_timer is not None and not self.waiting_for_head():  # the head is in: a request runs
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            if not self.transport.is_closing() and self.waiting_for_head():
+                self._await_head()  # the next request's head gets the same time
+
+        def connection_lost(self, exc):
+            limits.forget(self)
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+            super().connection_lost(exc)
+
+        def waiting_for_head(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def close_idle(self) -> None:
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def _await_head(self):
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(limits.header_timeout, self._head_overdue)
+
+        def _head_overdue(self):
+            self._head_timer = None
+            if self.waiting_for_head() and not self.transport.is_closing():
+                limits.timed_out()
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+class RateLimitFilter(logging.Filter):
+    """Lets one record whose message starts with `prefix` through per `period` seconds, as one line (no
+    traceback) saying how many were held back since the last one. For asyncio's accept loop, which at the
+    descriptor limit logs 'socket.accept() out of system resource' with a traceback for every attempt (thousands a
+    second)."""
+
+    def __init__(self, prefix: str, period: float = LOG_EVERY_S, clock=time.monotonic):
+        super().__init__()
+        self.prefix, self.period, self.clock = prefix, period, clock
+        self.held, self._next = 0, -math.inf
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(self.prefix):
+            return True
+        with self._lock:
+            now = self.clock()
+            if now < self._next:
+                self.held += 1
+                return False
+            held, self.held, self._next = self.held, 0, now + self.period
+        exc = record.exc_info[1] if record.exc_info else None
+        record.msg = (self.prefix + (f": {exc}" if exc is not None else "")
+                      + (f" ({held} more like it since the last such line)" if held else "")
+                      + f" (at most one such line per {self.period:g} s)")
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
+ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message at the descriptor limit
+
+
+def raise_fd_limit(want: int) -> int:
+    """Raise the soft limit on open descriptors towards `want`, as far as the hard limit allows; the soft limit
+    now in force (or `want` where there is no such limit to read, as on Windows)."""
+    try:
+        import resource
+    except ImportError:
+        return want
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return want if soft == resource.RLIM_INFINITY else soft
+
+
+def uvicorn_config(app, host: str, port: int, limits: ConnectionLimits, **kw):
+    """uvicorn's Config for `app`, its connections held to `limits`."""
+    import uvicorn
+
+    kw.setdefault("timeout_graceful_shutdown", SHUTDOWN_GRACE_S)
+    return uvicorn.Config(app, host=host, port=port, http=guarded_protocol(limits), ws="none", **kw)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -605,6 +1034,25 @@ def _parser() -> argparse.ArgumentParser:
                          "port; app://, file://, tauri:// and vscode-webview:// pages of desktop shells) are always "
                          "allowed, others are refused with 403 (default: none). Clients that are not browsers send no "
                          "Origin and are never refused")
+    ap.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                    help="serve requests addressed to this host name (e.g. chat.lan, or * for any); repeatable. "
+                         "localhost, *.localhost, IP addresses and the --host name are always served; requests for "
+                         "other names get 403, since a web page can reach a local server under a name of its own "
+                         "(DNS rebinding)")
+    ap.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS, metavar="N",
+                    help=f"open connections at most (default {MAX_CONNECTIONS}); past it a new connection closes the "
+                         "oldest idle one, or gets 503 if every one is serving a request. Lowered to fit the open-file "
+                         "limit (ulimit -n), which edge-serve raises as far as the hard limit allows")
+    ap.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
+                    help=f"seconds a connection may take to send a request's headers, from connecting or from its "
+                         f"previous answer (default {HEADER_TIMEOUT_S:g}); slower ones are closed")
+    ap.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S, metavar="S",
+                    help=f"seconds a client may take to send a request body (default {BODY_TIMEOUT_S:g}); slower ones "
+                         "get HTTP 408")
+    ap.add_argument("--max-body-mb", type=float, default=MAX_BODY / (1 << 20), metavar="MB",
+                    help=f"largest request body in MiB (default {MAX_BODY / (1 << 20):g}); larger ones get HTTP 413. "
+                         "Prompts are also refused (400) before tokenizing when they have more messages than the "
+                         "context has tokens, or more text than its tokens could hold")
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                     help="uvicorn's log level; info logs every request (default warning)")
     add_engine_args(ap)  # the same engine flags as edge-chat
@@ -665,6 +1113,11 @@ def main(argv=None) -> int:
     if a.max_queue < 0 or a.max_tokens < 1 or not 0 <= a.port < 65536:
         print("edge-serve: error: --max-queue must be >= 0, --max-tokens >= 1, --port in [0, 65535]", file=sys.stderr)
         return 2
+    if a.max_connections < 1 or not (0 < a.header_timeout < math.inf and 0 < a.body_timeout < math.inf
+                                     and 0 < a.max_body_mb < math.inf):
+        print("edge-serve: error: --max-connections must be >= 1; --header-timeout, --body-timeout and "
+              "--max-body-mb > 0", file=sys.stderr)
+        return 2
     if not _is_loopback(a.host):
         print(f"edge-serve: warning: binding {a.host}: the API has no authentication; anyone who can reach this "
               "address can use the model", file=sys.stderr)
@@ -673,8 +1126,6 @@ def main(argv=None) -> int:
         print(f"edge-serve: error: {problem}", file=sys.stderr)
         return 2
     sockets, port = ([sock], sock.getsockname()[1]) if sock else (None, a.port)
-    import uvicorn
-
     import edge
 
     try:
@@ -689,12 +1140,25 @@ def main(argv=None) -> int:
         print(f"edge-serve: error: {problem}", file=sys.stderr)
         return 2
     app = create_app(engine, max_queue=a.max_queue, reuse=not a.no_reuse, default_max_tokens=a.max_tokens,
-                     allow_origins=a.allow_origin)
+                     allow_origins=a.allow_origin, allow_hosts=a.allow_host, bound_host=a.host,
+                     max_body=int(a.max_body_mb * (1 << 20)), body_timeout=a.body_timeout)
+    files = raise_fd_limit(a.max_connections + FD_RESERVE + 3 * BACKLOG)
+    max_connections = max(1, min(a.max_connections, files - FD_RESERVE))
+    if max_connections < a.max_connections:
+        print(f"edge-serve: note: --max-connections lowered to {max_connections}: this process may open {files} "
+              "files (ulimit -n), some of them for the model", file=sys.stderr)
+    app.state.connections = limits = ConnectionLimits(max_connections, a.header_timeout)
+    accepts = logging.getLogger("asyncio")
+    if not any(isinstance(f, RateLimitFilter) for f in accepts.filters):
+        accepts.addFilter(RateLimitFilter(ACCEPT_ERROR))
     url_host = f"[{a.host}]" if ":" in a.host else a.host
     print(f"edge-serve: {engine.manifest.name} (drafter {engine.default_drafter}, context {engine.context}) on "
           f"http://{url_host}:{port}/v1", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=a.host, port=port, log_level=a.log_level,
-                            access_log=a.log_level in ("debug", "info"), timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    # asyncio accepts up to `backlog` connections at a time before any of them can be turned away: keep a burst of
+    # them (a few rounds) within the descriptors left, or accept() fails and the listener pauses for a second
+    backlog = max(16, min(BACKLOG, (files - max_connections - FD_RESERVE // 4) // 3))
+    config = uvicorn_config(app, a.host, port, limits, backlog=backlog, log_level=a.log_level,
+                            access_log=a.log_level in ("debug", "info"))
     server = uvicorn_server(config, app.state.worker)
     try:
         server.run(sockets=sockets)

@@ -572,8 +572,8 @@ def test_server_refuses_oversized_prompt_and_body_then_keeps_serving(server, fre
     before = _get(server, "/health")[1]
     status, obj = _post(server, {"messages": long, "max_tokens": 4})
     assert status == 400 and obj["error"]["code"] == "context_length_exceeded" and obj["error"]["param"] == "messages"
-    after = _idle(server)  # a refused request counts as rejected, not as a server failure
-    assert (after["rejected"] - before["rejected"], after["failed"] - before["failed"]) == (1, 0), (before, after)
+    after = _idle(server)  # a refused request counts as invalid: neither a full queue nor a server failure
+    assert [after[k] - before[k] for k in ("invalid", "rejected", "failed")] == [1, 0, 0], (before, after)
     status, obj = _post(server, {"messages": long, "max_tokens": 4, "stream": True})
     assert status == 400 and obj["error"]["code"] == "context_length_exceeded"
     status, obj = _post(server, raw=b'{"messages": "' + b"x" * (5 << 20) + b'"}')

@@ -173,9 +173,10 @@ def test_the_running_request_counts_against_the_queue():
 
 
 def test_a_prompt_that_fills_the_context_is_refused_as_too_long():
+    """A client error, counted as invalid: "rejected" is the full queue's 503."""
     engine = ScriptEngine(prompt_len=ScriptEngine.context)
     job = _job()
-    assert Worker(engine)._serve(job) == "rejected"
+    assert Worker(engine)._serve(job) == "invalid"
     err = job.items[-1][1]
     assert err.status == 400 and err.code == "context_length_exceeded" and not engine.running.is_set()
 
@@ -194,8 +195,8 @@ def test_a_shutdown_during_the_last_chunk_still_delivers_the_answer():
 
 
 @pytest.mark.parametrize("fail,status,code,param,outcome", [
-    (ModelDirError("this export has no drafter model"), 400, "unsupported_drafter", "edgespec.drafter", "rejected"),
-    (EngineError("no such thing"), 400, "invalid_request", None, "rejected"),
+    (ModelDirError("this export has no drafter model"), 400, "unsupported_drafter", "edgespec.drafter", "invalid"),
+    (EngineError("no such thing"), 400, "invalid_request", None, "invalid"),
     (RuntimeError("boom"), 500, None, None, "failed")])
 def test_engine_errors_are_answered_and_counted(fail, status, code, param, outcome):
     engine = ScriptEngine(fail=fail, fail_at=0)
@@ -210,7 +211,8 @@ def test_engine_errors_are_answered_and_counted(fail, status, code, param, outco
     err = job.items[-1][1]
     assert isinstance(err, ApiError) and (err.status, err.code, err.param) == (status, code, param)
     assert err.type == ("server_error" if status == 500 else "invalid_request_error") and str(fail) in err.message
-    assert worker.status()[outcome] == 1 and sum(worker.status()[k] for k in ("completed", "rejected", "failed")) == 1
+    assert worker.status()[outcome] == 1
+    assert sum(worker.status()[k] for k in ("completed", "rejected", "invalid", "failed")) == 1
 
 
 # ------------------------------------------------------------------------------ the HTTP server, in-process
