@@ -603,13 +603,11 @@ def _peer_specs(a) -> list[PeerSpec]:
                                ("llama_python", "llama_model", "a GGUF file"),
                                ("reference_python", "reference_hf", "a Hugging Face checkpoint folder"),
                                ("reference_cache", "reference_hf", "a Hugging Face checkpoint folder")):
-        if getattr(a, extra, None) and not getattr(a, needs, None):
-            flag = lambda n: "--" + n.replace("_", "-")  # noqa: E731
-            raise ValueError(f"{flag(extra)} needs {flag(needs)} ({what})")
+        if getattr(a, extra) and not getattr(a, needs):
+            raise ValueError(f"--{extra.replace('_', '-')} needs --{needs.replace('_', '-')} ({what})")
     specs = []
     for rt, values, python, problem in (("genai", a.peer_model, a.peer_python, model_dir_problem),
-                                        ("llama", getattr(a, "llama_model", None), getattr(a, "llama_python", None),
-                                         gguf_file_problem)):
+                                        ("llama", a.llama_model, a.llama_python, gguf_file_problem)):
         try:
             got = parse_peer_models(rt, values, python or sys.executable)
         except ValueError as e:
@@ -622,7 +620,7 @@ def _peer_specs(a) -> list[PeerSpec]:
     if specs and a.temp > 0:
         raise ValueError(f"{' and '.join(sorted({_FLAG[s.runtime] for s in specs}))} times greedy decoding only; "
                          "drop --temp")
-    ref = getattr(a, "reference_hf", None)
+    ref = a.reference_hf
     if ref:
         if not (Path(ref) / "config.json").is_file():
             raise ValueError(f"--reference-hf {ref}: no config.json there; pass a Hugging Face checkpoint folder of "
@@ -636,7 +634,9 @@ def _peer_specs(a) -> list[PeerSpec]:
 def _reference_fingerprint(hf_dir: str) -> list:
     """What the fp32 answers depend on besides the prompt: the checkpoint's config and weight files (name, size,
     modification time)."""
-    files = sorted(f for f in Path(hf_dir).iterdir() if f.is_file() and f.suffix in (".json", ".safetensors", ".bin"))
+    files = sorted(f for f in Path(hf_dir).iterdir()
+                   if f.is_file() and (f.name in ("config.json", "generation_config.json")
+                                       or f.suffix in (".safetensors", ".bin")))
     return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 

@@ -414,3 +414,14 @@ def test_bad_peer_flags_are_refused_before_loading(tmp_path, capsys, monkeypatch
     err = capsys.readouterr().err
     assert rc == 2 and needle.format(tmp=tmp_path) in err and "Traceback" not in err, err
     assert not (tmp_path / "b.json").exists()
+
+
+def test_the_fp32_cache_key_follows_the_weights_not_other_files(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 8)
+    before = bench._reference_fingerprint(str(tmp_path))
+    (tmp_path / "cache.json").write_text("{}")  # a --reference-cache kept in the folder itself
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert bench._reference_fingerprint(str(tmp_path)) == before
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)  # re-exported weights: computed again
+    assert bench._reference_fingerprint(str(tmp_path)) != before
