@@ -9,10 +9,17 @@ drafter draws the very answer plain sampling draws (drafts are checked against o
 model drafter drafts its argmax), so sampled outputs are compared too. On graphs that verify trees (fp32
 activations), a tree call's logits differ from the path's in the last bits, which may move a sampled draw: sampled
 tree modes are not compared there. Speed ratios pair each mode with `none` within a repeat.
-With --peer-model, onnxruntime-genai (../shared/peers/) joins the rotation as modes `genai` (greedy) and
-`genai-ngram` (its n-gram speculation), on the same token ids, first turns only; the JSON then compares every mode
-with the peer's best mode per category (`versus_peer`) and counts the peer's n-gram answers that kept its own greedy
-text.
+With --peer-model (onnxruntime-genai, ../shared/peers/) and --llama-model (llama.cpp), peer runtimes join the
+rotation, each in its own Python process, on the same token ids, first turns only: modes `genai` (greedy) and
+`genai-ngram` (its n-gram speculation) for one folder, `genai-LABEL` and `genai-LABEL-ngram` for several (LABEL=DIR,
+or the folder's name), `llama` (greedy) or `llama-LABEL`. The JSON then compares every mode with the fastest peer
+mode per category (`versus_peer`) and counts the n-gram answers that kept their runtime's own greedy text.
+With --reference-hf, transformers' fp32 greedy answer to every first turn (same ids, same max tokens; run once in
+its own process and cached) is the reference each mode's first answers are compared with: tokens before they
+diverge from it, and answers identical to it. `runtimes` (JSON and the last markdown table) gives per mode, over
+first turns: decode and prefill tok/s, that fidelity, and the peak RSS of the process running it at one context
+(--context for every runtime): edgespec's is edge-bench's own process (loading's peak, and each of the mode's
+turns' own peak, VmHWM reset before each turn), a peer's its worker's (its peak once loaded, and each run's own).
 Writes JSON (per category, per prompt, every run; each turn's own peak RSS where Linux can reset the peak) and a
 markdown table; asserts nothing about speed. A prompt whose turn does not fit the context is left out in every
 mode and listed under `skipped`.
@@ -20,6 +27,7 @@ mode and listed under `skipped`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -30,7 +38,8 @@ from .cli import int_at_least, non_negative_int, peak_rss_mb, positive_int, was_
 from .engine import ContextFull, EngineError
 from .files import unwritable, write_atomic
 from .memprobe import reset_peak_rss
-from .peer import PEER_MODES, PEER_REFERENCE, Peer, PeerError, model_dir_problem
+from .peer import (HF_WORKER, RUNTIMES, Peer, PeerError, PeerSpec, gguf_file_problem, is_peer_mode,
+                   model_dir_problem, parse_peer_models, peer_reference)
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "public.jsonl"
 
@@ -48,8 +57,9 @@ def _parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_args(ap)
     ap.add_argument("--modes", default="none,lookup,recycling,hybrid",
-                    help="comma-separated drafter modes (default none,lookup,recycling,hybrid); with --peer-model also "
-                         "genai and genai-ngram (both by default)")
+                    help="comma-separated drafter modes (default none,lookup,recycling,hybrid); with --peer-model / "
+                         "--llama-model also the peers' modes (genai, genai-ngram, genai-LABEL[-ngram], llama, "
+                         "llama-LABEL; a peer none of whose modes is named runs all of them)")
     ap.add_argument("--reps", type=positive_int, default=3, help="repetitions per prompt and mode (default 3)")
     ap.add_argument("--max-tokens", type=int_at_least(2), default=128,
                     help="new tokens per answer, at least 2: decode speed starts at the second (default 128)")
@@ -75,11 +85,28 @@ def _parser() -> argparse.ArgumentParser:
                     help="every prompt starts from a fresh drafter state — Token Recycling's tables and the acceptance "
                          "statistics, as in a new process (the verify-latency measurements carry over) — instead of "
                          "what the earlier prompts taught (a long-running assistant)")
-    ap.add_argument("--peer-model", metavar="DIR",
+    ap.add_argument("--peer-model", metavar="[LABEL=]DIR", action="append",
                     help="an onnxruntime-genai model folder (its builder's output, ../shared/peers/README.md): time "
-                         "it on the same prompts and token ids, greedy only, in the same rotation")
+                         "it on the same prompts and token ids, greedy only, in the same rotation; repeat the flag "
+                         "or give a comma list for several (modes genai-LABEL, LABEL defaulting to the folder's name)")
     ap.add_argument("--peer-python", metavar="PATH",
                     help="the Python that has onnxruntime-genai installed (default: this one)")
+    ap.add_argument("--llama-model", metavar="[LABEL=]FILE", action="append",
+                    help="a GGUF file for llama.cpp (llama-cpp-python), timed like --peer-model: mode llama, or "
+                         "llama-LABEL for several")
+    ap.add_argument("--llama-python", metavar="PATH",
+                    help="the Python that has llama-cpp-python installed (default: this one)")
+    ap.add_argument("--context", type=positive_int,
+                    help="KV cache size in tokens of every runtime: edgespec's engine, llama.cpp's n_ctx, "
+                         "onnxruntime-genai's max_length (default: the engine's, 4096 or the export's maximum)")
+    ap.add_argument("--reference-hf", metavar="DIR",
+                    help="a Hugging Face checkpoint folder of the same model: compare every mode's first answers "
+                         "with transformers' fp32 greedy answers (tokens before divergence)")
+    ap.add_argument("--reference-python", metavar="PATH",
+                    help="the Python that has torch and transformers installed (default: this one)")
+    ap.add_argument("--reference-cache", metavar="FILE",
+                    help="where the fp32 answers are kept between runs (default: "
+                         "$EDGESPEC_HOME/reference/<folder name>-<hash of its path>.json)")
     ap.add_argument("--out", default="bench-out/edge-bench.json", help="JSON output (default bench-out/edge-bench.json)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     return ap
@@ -142,7 +169,33 @@ def _select_items(items: list[dict], path: str, limit: int, cats: str | None) ->
     return [it for c in sorted(by) for it in by[c]]
 
 
-def _run_one(engine, it: dict, mode: str, a, rep: int = 0) -> list[dict]:
+def _prefill_tok_s(prompt_tokens: int, prefill_s: float) -> float | None:
+    """Prompt tokens prefilled per second (prefill: the prompt's forward and the first token's pick)."""
+    return prompt_tokens / prefill_s if prefill_s > 0 and prompt_tokens > 0 else None
+
+
+def agreement(tokens: list[int], ref: list[int], end: set | frozenset = frozenset()) -> tuple[int, bool]:
+    """(tokens before `tokens` diverge from `ref`, whether they are the same answer), an end token at the end of
+    either left out (edgespec keeps its end token in the ids, onnxruntime-genai and the reference do not)."""
+    a = tokens[:-1] if tokens and tokens[-1] in end else tokens
+    b = ref[:-1] if ref and ref[-1] in end else ref
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n, list(a) == list(b)
+
+
+def _with_fidelity(rec: dict, reference: dict | None, end: set) -> dict:
+    """Add the first turn's agreement with the fp32 reference answer (None without one)."""
+    ref = (reference or {}).get(rec["id"]) if rec["turn"] == 0 else None
+    rec["fp32_agreed"], rec["fp32_identical"] = agreement(rec["tokens"], ref, end) if ref is not None else (None,
+                                                                                                              None)
+    return rec
+
+
+def _run_one(engine, it: dict, mode: str, a, rep: int = 0, reference: dict | None = None) -> list[dict]:
     """One item through one mode: each turn of the item (plus --second-turn) as a chat; one record per turn."""
     engine.reset(keep_drafter_state=True)  # a long-running assistant keeps Token Recycling's matrix
     chat = engine.chat()
@@ -153,30 +206,53 @@ def _run_one(engine, it: dict, mode: str, a, rep: int = 0) -> list[dict]:
         r = chat.ask(text, max_tokens=a.max_tokens, drafter=mode, draft_len=a.draft_len, temperature=a.temp,
                      top_p=a.top_p, top_k=a.top_k, seed=a.seed + rep + 1000 * t)
         st = r.stats
-        recs.append({"id": it["id"], "category": it.get("category", "?") + (f"+turn{t + 1}" if t else ""),
-                     "mode": mode, "turn": t, "tokens": r.token_ids, "n_gen": st.generated,
-                     "prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens,
-                     "prefill_ms": 1000 * st.prefill_s, "decode_s": st.decode_s,
-                     "decode_tok_s": st.decode_tok_s if st.generated > 1 else None,  # one token: nothing decoded
-                     "steps": st.steps, "drafted": st.drafted, "accepted": st.accepted,
-                     "mean_accepted": st.mean_accepted, "target_s": st.target_s, "draft_s": st.draft_s,
-                     "overhead_ms_per_step": st.overhead_ms_per_step, "python_ms_per_step": st.python_ms_per_step,
-                     "peak_rss_mb": peak_rss_mb() if own_peak else None})  # this turn's own peak
+        recs.append(_with_fidelity({
+            "id": it["id"], "category": it.get("category", "?") + (f"+turn{t + 1}" if t else ""),
+            "mode": mode, "turn": t, "tokens": r.token_ids, "n_gen": st.generated,
+            "prompt_tokens": st.prompt_tokens, "reused_tokens": st.reused_tokens,
+            "prefill_ms": 1000 * st.prefill_s,
+            "prefill_tok_s": _prefill_tok_s(st.prompt_tokens - st.reused_tokens, st.prefill_s),
+            "decode_s": st.decode_s,
+            "decode_tok_s": st.decode_tok_s if st.generated > 1 else None,  # one token: nothing decoded
+            "steps": st.steps, "drafted": st.drafted, "accepted": st.accepted,
+            "mean_accepted": st.mean_accepted, "target_s": st.target_s, "draft_s": st.draft_s,
+            "overhead_ms_per_step": st.overhead_ms_per_step, "python_ms_per_step": st.python_ms_per_step,
+            "peak_rss_mb": peak_rss_mb() if own_peak else None}, reference, _end_ids(engine)))  # this turn's own
     return recs
 
 
-def _run_peer(peer: Peer, engine, it: dict, mode: str, a) -> list[dict]:
+def _end_ids(engine) -> set:
+    return set(getattr(engine, "eos", ()) or ())
+
+
+def _first_ids(engine, it: dict) -> list[int]:
+    """The ids of the item's first turn as a chat's first turn sends them (what every peer is fed)."""
+    return engine.encode([{"role": "user", "content": it["turns"][0]}])
+
+
+def _budget(engine, ids: list[int], max_tokens: int) -> int:
+    """New tokens a peer may produce after `ids` within the engine's context; a prompt that does not fit is refused
+    as edgespec's chat refuses it, so the item is skipped in every mode."""
+    if len(ids) >= engine.context:
+        raise ContextFull(f"prompt is {len(ids)} tokens but the context holds {engine.context}", len(ids),
+                          engine.context)
+    return min(max_tokens, engine.context - len(ids))
+
+
+def _run_peer(peer: Peer, engine, it: dict, mode: str, a, reference: dict | None = None) -> list[dict]:
     """The item's first turn through the peer, on the ids edgespec's template gives it (the same as a chat's first
-    turn); one record shaped like _run_one's, without edgespec's step counters."""
-    ids = engine.encode([{"role": "user", "content": it["turns"][0]}])
-    r = peer.run(ids, a.max_tokens, mode)
+    turn); one record shaped like _run_one's, without edgespec's step counters. Its peak RSS is the worker's."""
+    ids = _first_ids(engine, it)
+    r = peer.run(ids, _budget(engine, ids, a.max_tokens), mode, stop=sorted(_end_ids(engine)))
     n, dec = r.get("n_gen", len(r["tokens"])), r["decode_s"]  # n_gen: its end token counted, as ours is
-    return [{"id": it["id"], "category": it.get("category", "?"), "mode": mode, "turn": 0, "tokens": r["tokens"],
-             "n_gen": n, "prompt_tokens": len(ids), "reused_tokens": 0, "prefill_ms": 1000 * r["prefill_s"],
-             "decode_s": dec, "decode_tok_s": (n - 1) / dec if dec > 0 and n > 1 else None,  # as _run_one's
-             "steps": None, "drafted": None, "accepted": None, "mean_accepted": None, "target_s": None,
-             "draft_s": None, "overhead_ms_per_step": None, "python_ms_per_step": None,
-             "peak_rss_mb": None}]  # the peer's process, not ours
+    return [_with_fidelity({
+        "id": it["id"], "category": it.get("category", "?"), "mode": mode, "turn": 0, "tokens": r["tokens"],
+        "n_gen": n, "prompt_tokens": len(ids), "reused_tokens": 0, "prefill_ms": 1000 * r["prefill_s"],
+        "prefill_tok_s": _prefill_tok_s(len(ids), r["prefill_s"]),
+        "decode_s": dec, "decode_tok_s": (n - 1) / dec if dec > 0 and n > 1 else None,  # as _run_one's
+        "steps": None, "drafted": None, "accepted": None, "mean_accepted": None, "target_s": None,
+        "draft_s": None, "overhead_ms_per_step": None, "python_ms_per_step": None,
+        "peak_rss_mb": r.get("peak_rss_mb")}, reference, _end_ids(engine))]  # the worker's, not ours
 
 
 def _add_learned(total: dict, before: dict, after: dict) -> None:
@@ -223,6 +299,10 @@ def _per_prompt(runs: list[dict]) -> dict[tuple, dict]:
                 "target_ms_per_step": _med(per_step(rs, "target_s"), 9),
                 "draft_ms_per_step": _med(per_step(rs, "draft_s"), 9),
                 "peak_rss_mb": _med((r.get("peak_rss_mb") for r in rs), 1),
+                "prefill_tok_s": _med((r.get("prefill_tok_s") for r in rs), 9),
+                "fp32_agreed": _med((r.get("fp32_agreed") for r in rs), 1),
+                "fp32_identical": None if any(r.get("fp32_identical") is None for r in rs)
+                else all(r["fp32_identical"] for r in rs),
                 "tokens": rs[0]["tokens"],
                 "by_rep": {r.get("rep", 0): (r["tokens"], r["decode_tok_s"]) for r in rs}} for k, rs in cell.items()}
 
@@ -256,7 +336,8 @@ def summarize(runs: list[dict], modes: list[str], uncompared: tuple[str, ...] = 
     ratio to `none` within each repeat). `identical_to_none` counts the prompts whose every repeat's output equals
     none's in that repeat (None for the `uncompared` modes); a peer's speculative mode is
     compared with the peer's own greedy output instead (`identical_to_own_greedy`). `looping` counts the prompts
-    whose (first repeat's) answer repeats an 8-token sequence 3 times or more."""
+    whose (first repeat's) answer repeats an 8-token sequence 3 times or more. With an fp32 reference, first turns
+    also give `tokens_before_divergence` (median over prompts) and `identical_to_fp32` (prompts)."""
     per = _per_prompt(runs)
     out = {}
     for c in sorted({k[2] for k in per}):
@@ -276,10 +357,12 @@ def summarize(runs: list[dict], modes: list[str], uncompared: tuple[str, ...] = 
                 "overhead_ms_per_step": _med((v["overhead_ms_per_step"] for v in vals), 3),
                 "python_ms_per_step": _med((v["python_ms_per_step"] for v in vals), 3),
                 "peak_rss_mb": _med((v["peak_rss_mb"] for v in vals), 1),
+                "prefill_tok_s": _med((v["prefill_tok_s"] for v in vals), 1),
                 "looping": f"{sum(loops(v['tokens']) for v in vals)}/{len(vals)}",
             }
-            if m in PEER_MODES:  # its greedy text differs from ours by its quantization, not by speculation
-                ref, key = PEER_REFERENCE.get(m), "identical_to_own_greedy"
+            row[m].update(_fidelity(vals))
+            if is_peer_mode(m):  # its greedy text differs from ours by its quantization, not by speculation
+                ref, key = peer_reference(m), "identical_to_own_greedy"
             else:
                 ref, key = "none", "identical_to_none"
             same = [_same_output(x, r) for x, r in _pairs(per, c, keys, m, ref)]
@@ -288,17 +371,29 @@ def summarize(runs: list[dict], modes: list[str], uncompared: tuple[str, ...] = 
     return out
 
 
+def _fidelity(vals: list[dict]) -> dict:
+    """Over the prompts (per-prompt medians) compared with the fp32 reference: the median of the tokens before
+    divergence and how many answers were identical; {} when none was compared."""
+    done = [v for v in vals if v["fp32_agreed"] is not None]
+    if not done:
+        return {}
+    return {"tokens_before_divergence": _med((v["fp32_agreed"] for v in done), 1),
+            "identical_to_fp32": f"{sum(bool(v['fp32_identical']) for v in done)}/{len(done)}"}
+
+
 def per_prompt(runs: list[dict], uncompared: tuple[str, ...] = ()) -> list[dict]:
     """One row per prompt, turn and mode: its medians over repeats, its ratio to `none` (paired by repeat) and
     whether its output equals the reference's (`none`'s, or for a peer's n-gram mode the peer's greedy)."""
     per = _per_prompt(runs)
     rows = []
     for (p, t, c, m), v in per.items():
-        ref = per.get((p, t, c, PEER_REFERENCE.get(m) if m in PEER_MODES else "none"))
+        ref = per.get((p, t, c, peer_reference(m) if is_peer_mode(m) else "none"))
         base = per.get((p, t, c, "none"))
         rows.append({"id": p, "turn": t, "category": c, "mode": m, "decode_tok_s": _med([v["decode_tok_s"]], 2),
                      "ratio_vs_none": None if base is None or (q := _paired_ratio(v, base)) is None else round(q, 3),
                      "mean_accepted": _med([v["mean_accepted"]], 3), "peak_rss_mb": v["peak_rss_mb"],
+                     "prefill_tok_s": _med([v["prefill_tok_s"]], 1), "tokens_before_divergence": v["fp32_agreed"],
+                     "identical_to_fp32": v["fp32_identical"],
                      "identical": None if ref is None or ref is v or m in uncompared else _same_output(v, ref)})
     return rows
 
@@ -307,7 +402,7 @@ def versus_peer(runs: list[dict], modes: list[str]) -> dict:
     """Per category: the peer's fastest mode there (median decode tok/s) and, for every edgespec mode, the median
     over prompts of its decode tok/s over that peer mode's (first turns: the peer runs no others)."""
     per = _per_prompt(runs)
-    ours, theirs = [m for m in modes if m not in PEER_MODES], [m for m in modes if m in PEER_MODES]
+    ours, theirs = [m for m in modes if not is_peer_mode(m)], [m for m in modes if is_peer_mode(m)]
     out = {}
     for c in sorted({k[2] for k in per}):
         keys = sorted({(k[0], k[1]) for k in per if k[2] == c})
@@ -325,9 +420,43 @@ def versus_peer(runs: list[dict], modes: list[str]) -> dict:
     return out
 
 
+def runtimes(runs: list[dict], modes: list[str], load_peaks: dict | None = None, names: dict | None = None) -> dict:
+    """Per mode, over first turns (the turns every runtime answers): the median over prompts of decode and prefill
+    tok/s (each prompt's median over repeats), the agreement with fp32 greedy, and the peak RSS of the process that
+    runs it: the largest of its peak once loaded (`load_peaks`) and every one of its runs' own peaks."""
+    per = _per_prompt([r for r in runs if r["turn"] == 0])
+    out = {}
+    for m in modes:
+        vals = [v for k, v in per.items() if k[3] == m]
+        if not vals:
+            continue
+        peaks = [r["peak_rss_mb"] for r in runs if r["mode"] == m and r.get("peak_rss_mb") is not None]
+        peaks += [x for x in [(load_peaks or {}).get(m)] if x is not None]
+        out[m] = {"runtime": (names or {}).get(m, m), "prompts": len(vals),
+                  "decode_tok_s": _med((v["decode_tok_s"] for v in vals), 1),
+                  "prefill_tok_s": _med((v["prefill_tok_s"] for v in vals), 1),
+                  "tokens_before_divergence": None, "identical_to_fp32": None, **_fidelity(vals),
+                  "peak_rss_mb": round(max(peaks), 1) if peaks else None}
+    return out
+
+
+def runtimes_markdown(rows: dict, context: int | None) -> str:
+    def cell(x):
+        return "—" if x is None else str(x)
+
+    lines = ["| runtime · mode | prompts | decode tok/s | prefill tok/s | tokens before divergence from fp32 greedy "
+             f"(median) | identical to fp32 greedy | peak RSS MB (context {cell(context)}) |", "|" + "---|" * 7]
+    for v in rows.values():
+        lines.append("| " + " | ".join(cell(v[k]) for k in ("runtime", "prompts", "decode_tok_s", "prefill_tok_s",
+                                                             "tokens_before_divergence", "identical_to_fp32",
+                                                             "peak_rss_mb")) + " |")
+    return "\n".join(lines)
+
+
 def markdown(summary: dict, modes: list[str], peer: dict | None = None) -> str:
     def same(m):
-        return f"same as {PEER_REFERENCE[m]}" if m in PEER_REFERENCE else "—" if m in PEER_MODES else "same as none"
+        ref = peer_reference(m)
+        return f"same as {ref}" if ref else "—" if is_peer_mode(m) else "same as none"
 
     head = "| category | " + " | ".join(f"{m} tok/s (×none, acc/step, Python ms/step, {same(m)}, looping)"
                                      for m in modes) + " |"
@@ -340,13 +469,13 @@ def markdown(summary: dict, modes: list[str], peer: dict | None = None) -> str:
                 cells.append("—")
                 continue
             kept = v.get("identical_to_none", v.get("identical_to_own_greedy"))
-            kept = kept or ("—" if m in PEER_MODES and m not in PEER_REFERENCE else "not compared")
+            kept = kept or ("—" if is_peer_mode(m) and not peer_reference(m) else "not compared")
             acc = "—" if v["mean_accepted"] is None else v["mean_accepted"]
             py = "—" if v.get("python_ms_per_step") is None else v["python_ms_per_step"]
             cells.append(f"{v['decode_tok_s']} (×{v['ratio_vs_none']}, {acc}, {py}, {kept}, {v['looping']})")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     if peer:
-        ours = [m for m in modes if m not in PEER_MODES]
+        ours = [m for m in modes if not is_peer_mode(m)]
         lines += ["", "| category | peer's best mode | " + " | ".join(f"{m} × peer best" for m in ours) + " |",
                   "|" + "---|" * (len(ours) + 2)]
         for c, row in peer.items():
@@ -372,34 +501,32 @@ def _main(a) -> int:
     from .engine import DRAFTERS, GenerationParams
 
     modes = list(dict.fromkeys(m.strip() for m in a.modes.split(",") if m.strip()))
-    bad = [m for m in modes if (m not in DRAFTERS or m == "auto") and not (m in PEER_MODES and a.peer_model)]
+    try:
+        specs = _peer_specs(a)
+    except ValueError as e:  # found before loading anything or starting a worker
+        print(f"edge-bench: error: {e}", file=sys.stderr)
+        return 2
+    peer_modes = {m for s in specs for m in s.modes}
+    bad = [m for m in modes if (m not in DRAFTERS or m == "auto") and m not in peer_modes]
     if bad:
-        known = ", ".join([d for d in DRAFTERS if d != "auto"] + (list(PEER_MODES) if a.peer_model else []))
-        hint = "; genai modes need --peer-model" if any(m in PEER_MODES for m in bad) else ""
+        known = ", ".join([d for d in DRAFTERS if d != "auto"] + sorted(peer_modes))
+        hint = "".join(f"; {rt} modes need {flag}" for rt, flag in _FLAG.items()
+                       if any(m == rt or m.startswith(rt + "-") for m in bad) and not any(s.runtime == rt
+                                                                                         for s in specs))
         print(f"edge-bench: error: --modes {','.join(bad)}: choose from {known}{hint}", file=sys.stderr)
         return 2
     if "none" not in modes:
         modes.insert(0, "none")  # the reference every other mode is compared with
+    for s in specs:
+        if not any(m in s.modes for m in modes):  # a peer none of whose modes is named runs them all
+            modes += list(s.modes)
+    for m in list(modes):
+        if peer_reference(m) and peer_reference(m) not in modes:
+            modes.append(peer_reference(m))  # the greedy answers its n-gram answers are compared with
     if a.second_turn is not None and not a.second_turn.strip():
         print("edge-bench: error: --second-turn is empty: pass the text to send after each first answer "
               "(e.g. --second-turn 'Now make it shorter'), or leave the flag out", file=sys.stderr)
         return 2
-    if a.peer_python and not a.peer_model:
-        print("edge-bench: error: --peer-python needs --peer-model (the onnxruntime-genai model folder)",
-              file=sys.stderr)
-        return 2
-    if a.peer_model:
-        problem = model_dir_problem(a.peer_model)
-        if problem:  # found before loading anything or starting the worker
-            print(f"edge-bench: error: --peer-model {a.peer_model}: {problem}", file=sys.stderr)
-            return 2
-        if a.temp > 0:
-            print("edge-bench: error: --peer-model times greedy decoding only; drop --temp", file=sys.stderr)
-            return 2
-        if not any(m in PEER_MODES for m in modes):
-            modes += list(PEER_MODES)
-        if "genai-ngram" in modes and "genai" not in modes:
-            modes.append("genai")  # the reference its n-gram answers are compared with
     try:  # the engine's own bounds, checked before loading it
         GenerationParams(max_tokens=a.max_tokens, draft_len=a.draft_len, temperature=a.temp, top_p=a.top_p,
                          top_k=a.top_k, seed=a.seed).check(0)
@@ -426,29 +553,147 @@ def _main(a) -> int:
         print(f"edge-bench: error: no prompts selected from {a.prompts}", file=sys.stderr)
         return 2
     try:
-        engine = edge.load(a.model, drafter="auto", threads=a.threads)
+        engine = edge.load(a.model, drafter="auto", threads=a.threads, context=a.context)
         for m in modes:  # a drafter this export cannot run is refused here, with the fix named
-            if m not in PEER_MODES:
+            if not is_peer_mode(m):
                 engine._resolve(m)
     except EngineError as e:  # a ModelDirError too
         print(f"edge-bench: error: {e}", file=sys.stderr)
         return 2
-    peer = None
+    reference = ref_info = None
+    if a.reference_hf:  # before any worker starts: its process is gone before the timed runs begin
+        try:
+            reference, ref_info = _reference_answers(a, engine, items)
+        except PeerError as e:
+            print(f"edge-bench: error: --reference-hf {a.reference_hf}: {e}", file=sys.stderr)
+            return 2
+    peers: dict[str, Peer] = {}  # mode -> its worker
+    started, info = [], []
     try:
-        if a.peer_model:
+        warm = next((it for it in items if len(_first_ids(engine, it)) < engine.context), None)
+        for s in specs:
             try:
-                peer = Peer(a.peer_python or sys.executable, a.peer_model, a.threads)
-                _run_peer(peer, engine, items[0], "genai", a)  # warm-up: a peer that loads but cannot answer fails
+                p = Peer(s.python, s.path, a.threads, worker=RUNTIMES[s.runtime][1], context=engine.context,
+                         modes=s.modes)
+                started.append(p)
+                if warm is not None:  # warm-up: a peer that loads but cannot answer fails here
+                    _run_peer(p, engine, warm, s.name, a)
             except PeerError as e:
-                print(f"edge-bench: error: --peer-model {a.peer_model}: {e}", file=sys.stderr)
+                print(f"edge-bench: error: {_FLAG[s.runtime]} {s.path}: {e}", file=sys.stderr)
                 return 2
-        return _bench(a, engine, items, modes, peer, out, md_out)
+            peers.update({m: p for m in s.modes if m in modes})
+            info.append({"name": s.name, "runtime": s.runtime_name, "label": s.label, "model": s.path,
+                         "python": s.python, "version": p.version, "modes": [m for m in s.modes if m in modes],
+                         "load_peak_rss_mb": p.load_peak_rss_mb,
+                         **({"ngram": "size 3, up to 10 draft tokens"} if s.runtime == "genai" else {})})
+        return _bench(a, engine, items, modes, peers, out, md_out, reference=reference, peer_info=info,
+                      reference_info=ref_info)
     finally:  # Ctrl-C included: no worker left behind
-        if peer:
-            peer.close()
+        for p in started:
+            p.close()
 
 
-def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, out: Path, md_out: Path) -> int:
+_FLAG = {"genai": "--peer-model", "llama": "--llama-model"}
+
+
+def _peer_specs(a) -> list[PeerSpec]:
+    """The peer models the flags name, each checked (its folder or file, its Python's flag, greedy only); raises
+    ValueError with the line to print."""
+    for extra, needs, what in (("peer_python", "peer_model", "the onnxruntime-genai model folder"),
+                               ("llama_python", "llama_model", "a GGUF file"),
+                               ("reference_python", "reference_hf", "a Hugging Face checkpoint folder"),
+                               ("reference_cache", "reference_hf", "a Hugging Face checkpoint folder")):
+        if getattr(a, extra) and not getattr(a, needs):
+            raise ValueError(f"--{extra.replace('_', '-')} needs --{needs.replace('_', '-')} ({what})")
+    specs = []
+    for rt, values, python, problem in (("genai", a.peer_model, a.peer_python, model_dir_problem),
+                                        ("llama", a.llama_model, a.llama_python, gguf_file_problem)):
+        try:
+            got = parse_peer_models(rt, values, python or sys.executable)
+        except ValueError as e:
+            raise ValueError(f"{_FLAG[rt]} {e}") from None
+        for s in got:
+            bad = problem(s.path)
+            if bad:
+                raise ValueError(f"{_FLAG[rt]} {s.path}: {bad}")
+        specs += got
+    if specs and a.temp > 0:
+        raise ValueError(f"{' and '.join(sorted({_FLAG[s.runtime] for s in specs}))} times greedy decoding only; "
+                         "drop --temp")
+    ref = a.reference_hf
+    if ref:
+        if not (Path(ref) / "config.json").is_file():
+            raise ValueError(f"--reference-hf {ref}: no config.json there; pass a Hugging Face checkpoint folder of "
+                             "the same model (config.json + safetensors), e.g. the GGUF de-quantized with "
+                             "transformers' from_pretrained(dir, gguf_file=...).save_pretrained(DIR)")
+        if a.temp > 0:
+            raise ValueError("--reference-hf compares greedy answers; drop --temp")
+    return specs
+
+
+def _reference_fingerprint(hf_dir: str) -> list:
+    """What the fp32 answers depend on besides the prompt: the checkpoint's config and weight files (name, size,
+    modification time)."""
+    files = sorted(f for f in Path(hf_dir).iterdir()
+                   if f.is_file() and (f.name in ("config.json", "generation_config.json")
+                                       or f.suffix in (".safetensors", ".bin")))
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def _reference_cache_path(a) -> Path:
+    if a.reference_cache:
+        return Path(a.reference_cache)
+    import edge
+
+    d = Path(a.reference_hf).resolve()
+    return edge.home() / "reference" / f"{d.name}-{hashlib.sha256(str(d).encode()).hexdigest()[:8]}.json"
+
+
+def _reference_answers(a, engine, items: list[dict]) -> tuple[dict, dict]:
+    """transformers' fp32 greedy answer to each item's first turn (same ids and token budget as every runtime's),
+    from the cache or computed once in a worker process (edge/peer_hf.py) and cached: (id -> tokens, info)."""
+    path = _reference_cache_path(a)
+    try:
+        cache = json.loads(path.read_text()).get("answers", {})
+        cache = cache if isinstance(cache, dict) else {}
+    except (OSError, ValueError, AttributeError):
+        cache = {}
+    fp, end = _reference_fingerprint(a.reference_hf), sorted(_end_ids(engine))
+    want = {}
+    for it in items:
+        ids = _first_ids(engine, it)
+        if len(ids) < engine.context:  # a prompt that does not fit is skipped in every mode anyway
+            n = _budget(engine, ids, a.max_tokens)
+            want[it["id"]] = (hashlib.sha256(json.dumps([fp, ids, n, end]).encode()).hexdigest(), ids, n)
+    todo = [(k, ids, n) for k, ids, n in want.values() if not isinstance(cache.get(k), list)]
+    version = None
+    if todo:
+        if not a.quiet:
+            print(f"edge-bench: computing {len(todo)} fp32 reference answers with transformers "
+                  f"({len(want) - len(todo)} cached)", file=sys.stderr)
+        ref = Peer(a.reference_python or sys.executable, a.reference_hf, a.threads, worker=HF_WORKER,
+                   modes={"fp32": "greedy"})
+        try:
+            version = ref.version
+            for k, ids, n in todo:
+                cache[k] = ref.run(ids, n, "fp32", stop=end)["tokens"]
+        finally:  # what was computed is kept, an interrupted run's too
+            ref.close()
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(path, json.dumps({"answers": cache}))
+            except OSError as e:
+                print(f"edge-bench: warning: cannot cache the fp32 answers in {path} ({e})", file=sys.stderr)
+    return ({pid: cache[k] for pid, (k, _, _) in want.items()},
+            {"hf_dir": str(a.reference_hf), "runtime": "transformers fp32 greedy", "version": version,
+             "cache": str(path), "computed": len(todo), "cached": len(want) - len(todo)})
+
+
+def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, out: Path, md_out: Path,
+           reference: dict | None = None, peer_info: list | None = None, reference_info: dict | None = None) -> int:
+    """The timed rotation. `peers`: mode -> its worker; `reference`: item id -> the fp32 greedy answer to its first
+    turn; `peer_info` and `reference_info` are written as they are."""
+    peers = peers or {}
     runs, skipped = [], []
     start_peak = peak_rss_mb()  # loading; the warm-up and each run then measure their own peaks
     fresh = engine.drafter_state()
@@ -488,12 +733,12 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
                     for m in modes[k:] + modes[:k]:  # rotate: no mode always runs first
                         engine.set_drafter_state(before)
                         tested = engine.token_acceptance.tested()
-                        recs = (_run_peer(peer, engine, it, m, a) if m in PEER_MODES
-                                else _run_one(engine, it, m, a, rep))
+                        recs = (_run_peer(peers[m], engine, it, m, a, reference) if m in peers
+                                else _run_one(engine, it, m, a, rep, reference))
                         for rec in recs:
                             rec["rep"] = rep
                             runs.append(rec)
-                        if m not in PEER_MODES and m != "none":  # what this prompt taught the drafters (plain
+                        if m not in peers and m != "none":  # what this prompt taught the drafters (plain
                             after = after or engine.drafter_state()  # decoding and the peer teach them nothing)
                         _add_learned(learned, tested, engine.token_acceptance.tested())
                         done += 1
@@ -524,12 +769,22 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
     # sampled tree calls may move a draw (their logits differ from the path's in the last bits): not compared
     uncompared = ("recycling", "hybrid") if a.temp > 0 and engine.target.tree_exact else ()
     summary = summarize(runs, modes, uncompared)
-    vs_peer = versus_peer(runs, modes) if peer else None
+    vs_peer = versus_peer(runs, modes) if peers else None
     m = engine.manifest
     sampled = engine.head_hits + engine.head_misses
+    ours = [r["peak_rss_mb"] or 0 for r in runs if r["mode"] not in peers]  # the workers' peaks are theirs
+    load_peaks = {x: start_peak for x in modes if x not in peers}
+    names = {x: f"edgespec {m.target.precision} · {x}" for x in modes if x not in peers}
+    for p in peer_info or []:
+        for x in p["modes"]:
+            load_peaks[x] = p["load_peak_rss_mb"]
+            names[x] = f"{p['runtime']}{' ' + p['label'] if p['label'] else ''} · " + (
+                "n-gram" if peer_reference(x) else "greedy")
+    per_runtime = runtimes(runs, modes, load_peaks, names)
+    legacy = [p for p in peer_info or [] if p["name"] == "genai"]  # one unlabeled onnxruntime-genai folder
     doc = {"summary": summary, "modes": modes, "reps": a.reps, "max_tokens": a.max_tokens,
            "model": m.name, "precision": m.target.precision, "threads": a.threads,
-           "peak_rss_mb": round(max([start_peak, peak_rss_mb()] + [r["peak_rss_mb"] or 0 for r in runs]), 1),
+           "peak_rss_mb": round(max([start_peak, peak_rss_mb()] + ours), 1), "context": engine.context,
            "wall_s": round(time.time() - t0, 1),
            "min_call": engine.target.min_call, "cold": a.cold, "interrupted": interrupted, "failed": failed,
            "skipped": skipped,
@@ -538,13 +793,16 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
                "temperature": a.temp, "top_p": a.top_p, "top_k": a.top_k, "seed": a.seed,
                # rows whose p the on-graph head gave (kernels/postprocess.py); the rest came from the logits
                "rows_from_head": round(engine.head_hits / sampled, 4) if sampled else None},
-           "peer": None if not peer else {"runtime": "onnxruntime-genai", "version": peer.version,
-                                           "model": str(a.peer_model), "ngram": "size 3, up to 10 draft tokens"},
+           "peer": {k: legacy[0][k] for k in ("runtime", "version", "model", "ngram")} if legacy else None,
+           "peers": peer_info or [], "reference": reference_info, "runtimes": per_runtime,
            "versus_peer": vs_peer,
            "token_acceptance": {x: {"lifetime": round(h / n, 4), "n": int(n)} for x, (h, n) in
                                 sorted(learned.items())},
            "per_prompt": per_prompt(runs, uncompared), "runs": runs}
-    md = markdown(summary, modes, vs_peer)
+    md = markdown(summary, modes, vs_peer) + "\n\n" + runtimes_markdown(per_runtime, engine.context)
+    if reference_info:
+        md += (f"\n\nFidelity: each mode's first answers against {reference_info['runtime']} on "
+               f"{reference_info['hf_dir']}, on the same token ids.")
     if a.temp > 0:
         md += f"\n\nSampled at temperature {a.temp}, top-p {a.top_p}, top-k {a.top_k or 'off'}, seed {a.seed} + repeat."
     if interrupted or failed:
@@ -564,7 +822,8 @@ def _bench(a, engine, items: list[dict], modes: list[str], peer: Peer | None, ou
             f.write(json.dumps(doc))
         print(f"edge-bench: error: cannot write {out} ({e}); the results are in {spare}", file=sys.stderr)
         return 1
-    print(json.dumps({"summary": summary, "versus_peer": vs_peer, "peak_rss_mb": doc["peak_rss_mb"]}, indent=1))
+    print(json.dumps({"summary": summary, "versus_peer": vs_peer, "runtimes": per_runtime,
+                      "peak_rss_mb": doc["peak_rss_mb"]}, indent=1))
     print(md)
     return 130 if interrupted else 1 if failed else 0
 

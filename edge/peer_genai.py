@@ -3,13 +3,17 @@ edge-bench sends, so both runtimes decode the same prompts in one interleaved ru
 
 It runs in the peer's own Python (`--peer-python`): onnxruntime-genai's model builder needs transformers 5.x, which
 edgespec's exporter cannot share an environment with. So this file imports only the standard library and
-onnxruntime_genai, and edge-bench starts it as a script: `PYTHON peer_genai.py MODEL_DIR --threads 2`.
+onnxruntime_genai, and edge-bench starts it as a script: `PYTHON peer_genai.py MODEL_DIR --threads 2 [--context N]`.
 
-Protocol, one JSON object per line: first out {"ready": version}; then for each line in
-{"ids": [...], "max_new": N, "mode": "greedy" | "ngram"} one line out {"tokens", "n_gen", "prefill_s", "decode_s"}
-or {"error": text}. Token ids are fed directly: onnxruntime-genai 0.18's own tokenizer mis-tokenizes SmolLM2
-(../shared/peers/README.md). `n_gen` counts the tokens decoding produced, the end-of-sequence token included:
-onnxruntime-genai 0.18 leaves it out of the sequence, edgespec counts it, and decode time includes its step.
+Protocol, one JSON object per line: first out {"ready": version, "peak_rss_mb"}; then for each line in
+{"ids": [...], "max_new": N, "mode": "greedy" | "ngram"} one line out {"tokens", "n_gen", "prefill_s", "decode_s",
+"peak_rss_mb"} or {"error": text} (a "stop" list is ignored: its end tokens are its config's). Token ids are fed
+directly: onnxruntime-genai 0.18's own tokenizer mis-tokenizes SmolLM2 (../shared/peers/README.md). `n_gen` counts
+the tokens decoding produced, the end-of-sequence token included: onnxruntime-genai 0.18 leaves it out of the
+sequence, edgespec counts it, and decode time includes its step. With --context N its KV cache is allocated for N
+tokens (max_length N, as edgespec's and llama.cpp's are sized to their context) and answers stop after max_new
+tokens; without it, max_length is the prompt plus max_new. `peak_rss_mb` is this process's peak (VmHWM): once
+loaded in "ready", and per request the peak since the request began (Linux resets VmHWM first).
 """
 from __future__ import annotations  # the peer's Python may be older than ours
 
@@ -18,6 +22,16 @@ import json
 import os
 import sys
 import time
+
+if __package__:  # imported as edge.peer_genai (the tests)
+    from .memprobe import peak_rss_bytes, reset_peak_rss
+else:  # run as a script in the peer's own Python, which has no edgespec
+    _HERE = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, _HERE)
+    from memprobe import peak_rss_bytes, reset_peak_rss
+
+    # then edge/ leaves the path: its profile.py, text.py, ... would shadow modules the runtime imports
+    sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != _HERE]
 
 # its n-gram speculation as ../shared/peers/README.md measured it (size 3, up to 10 draft tokens)
 NGRAM = {"ngram_size": 3, "max_draft_tokens": 10}
@@ -34,20 +48,26 @@ def eos_ids(model_dir: str) -> set[int]:
     return {x for x in (e if isinstance(e, list) else [e]) if isinstance(x, int) and not isinstance(x, bool)}
 
 
-def generate(og, model, ids: list[int], max_new: int, spec: dict | None, eos: set[int]) -> dict:
-    """Greedy answer to `ids`; prefill is the prompt's forward, decode the rest (the same split as edge's Stats)."""
+def generate(og, model, ids: list[int], max_new: int, spec: dict | None, eos: set[int], context: int = 0) -> dict:
+    """Greedy answer to `ids`; prefill is the prompt's forward, decode the rest (the same split as edge's Stats).
+    `context`: the max_length its KV cache is allocated for (0: just the prompt plus max_new)."""
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + max_new, do_sample=False)
+    end = len(ids) + max_new
+    params.set_search_options(max_length=max(context, end), do_sample=False)
     if spec:
         params.set_speculative_options(**spec)
     gen = og.Generator(model, params)
     t0 = time.perf_counter()
     gen.append_tokens(ids)
     t1 = time.perf_counter()
-    while not gen.is_done():
-        gen.generate_next_token()
+    if context > end:  # max_length does not stop it at max_new: count (an n-gram step may add several tokens)
+        while not gen.is_done() and gen.token_count() < end:
+            gen.generate_next_token()
+    else:
+        while not gen.is_done():
+            gen.generate_next_token()
     t2 = time.perf_counter()
-    tokens = [int(t) for t in gen.get_sequence(0)[len(ids):]]
+    tokens = [int(t) for t in gen.get_sequence(0)[len(ids):end]]
     ended = len(tokens) < max_new and not (tokens and tokens[-1] in eos)  # by an end token left out of the sequence
     return {"tokens": tokens, "n_gen": len(tokens) + ended, "prefill_s": t1 - t0, "decode_s": t2 - t1}
 
@@ -56,6 +76,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model_dir")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=0, help="max_length: the KV cache it allocates (0: per prompt)")
     a = ap.parse_args()
     proto = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout; whatever a library prints goes to stderr
     os.dup2(2, 1)
@@ -79,12 +100,16 @@ def main() -> int:
         say({"error": f"onnxruntime-genai cannot load {a.model_dir}: {e}"})
         return 1
     eos = eos_ids(a.model_dir)
-    say({"ready": getattr(og, "__version__", "?")})
+    say({"ready": getattr(og, "__version__", "?"), "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1)})
     try:
         for line in sys.stdin:
             req = json.loads(line)
             try:
-                say(generate(og, model, req["ids"], req["max_new"], NGRAM if req["mode"] == "ngram" else None, eos))
+                reset_peak_rss()
+                out = generate(og, model, req["ids"], req["max_new"], NGRAM if req["mode"] == "ngram" else None, eos,
+                               a.context)
+                out["peak_rss_mb"] = round(peak_rss_bytes() / 2**20, 1)
+                say(out)
             except Exception as e:  # noqa: BLE001 - reported per request; edge-bench stops with it
                 say({"error": f"onnxruntime-genai failed: {e}"})
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; edge-bench summarizes what ran

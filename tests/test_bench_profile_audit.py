@@ -252,7 +252,7 @@ def test_run_one_turns_seeds_one_token_answers_and_a_peak_that_cannot_be_reset(m
 
 def test_run_peer_counts_the_end_token_and_times_from_the_second():
     class Peer:
-        def run(self, ids, max_new, mode):
+        def run(self, ids, max_new, mode, stop=None):
             return {"tokens": [5, 6, 7, 8], "n_gen": 5, "decode_s": 2.0, "prefill_s": 0.1}
 
     (r,) = bench._run_peer(Peer(), _Engine(), {"id": "x", "turns": ["hi"]}, "genai", _args())
@@ -275,10 +275,12 @@ def test_main_puts_none_first_adds_the_peers_reference_and_refuses_auto(tmp_path
     class Peer:
         version = "0"
 
-        def __init__(self, *a):
+        load_peak_rss_mb = None
+
+        def __init__(self, *a, **k):
             pass
 
-        def run(self, ids, max_new, mode):
+        def run(self, ids, max_new, mode, stop=None):
             return {"tokens": [1, 2], "decode_s": 1.0, "prefill_s": 0.1}
 
         def close(self):

@@ -294,7 +294,8 @@ def test_worker_protocol_keeps_library_output_off_stdout_and_reports_failures_pe
                        capture_output=True, text=True, timeout=60, env=env)
     lines = [json.loads(line) for line in r.stdout.splitlines()]
     assert r.returncode == 0, r.stderr
-    assert lines[0] == {"ready": "0.0-fake"} and lines[1]["tokens"] == fake_og.answer([1, 2], 3)
+    assert lines[0]["ready"] == "0.0-fake" and lines[1]["tokens"] == fake_og.answer([1, 2], 3)
+    assert lines[0]["peak_rss_mb"] > 1 and lines[1]["peak_rss_mb"] > 1  # the worker's own, loaded and per run
     assert lines[2] == {"error": "onnxruntime-genai failed: fake failure"} and len(lines) == 3
     overlay = json.loads(r.stderr.split("OVERLAY ")[1].splitlines()[0])
     assert overlay[0]["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 3

@@ -64,3 +64,6 @@ class Generator:
 
     def get_sequence(self, i):
         return self.seq
+
+    def token_count(self):
+        return len(self.seq)

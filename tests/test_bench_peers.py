@@ -1,0 +1,427 @@
+"""edge-bench's peer runtimes beside edgespec: several onnxruntime-genai folders and llama.cpp (faked: tests/fake_genai,
+tests/fake_llama), each in its own worker process on the same token ids; transformers' fp32 greedy reference on a
+tiny checkpoint (tokens before divergence), prefill speed and each runtime's own peak RSS."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from edge import bench, peer, peer_genai, peer_llama
+
+HERE = Path(__file__).parent
+FAKE_GENAI, FAKE_LLAMA = str(HERE / "fake_genai"), str(HERE / "fake_llama")
+
+
+def _load(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+fake_og = _load("fake_og", HERE / "fake_genai" / "onnxruntime_genai" / "__init__.py")
+fake_llama = _load("fake_llama", HERE / "fake_llama" / "llama_cpp" / "__init__.py")
+
+
+@pytest.fixture(scope="module")
+def model(exported_llama):
+    return str(exported_llama[0])
+
+
+def _gguf(path: Path) -> str:
+    path.write_bytes(b"GGUF" + bytes(12))
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- mode names
+
+
+@pytest.mark.parametrize("runtime, values, want", [
+    ("genai", ["{d}/int4"], {"genai": "greedy", "genai-ngram": "ngram"}),  # one folder: the short names, as before
+    ("genai", ["{d}/int4", "{d}/int8"], {"genai-int4": "greedy", "genai-int4-ngram": "ngram",
+                                          "genai-int8": "greedy", "genai-int8-ngram": "ngram"}),
+    ("genai", ["{d}/int4,{d}/int8"], {"genai-int4": "greedy", "genai-int4-ngram": "ngram",
+                                       "genai-int8": "greedy", "genai-int8-ngram": "ngram"}),  # a comma list
+    ("genai", ["q=/{d}/int4"], {"genai-q": "greedy", "genai-q-ngram": "ngram"}),  # a label: named even alone
+    ("llama", ["{d}/model.Q4_1.gguf"], {"llama": "greedy"}),
+    ("llama", ["{d}/a.gguf", "b={d}/x.gguf"], {"llama-a": "greedy", "llama-b": "greedy"}),
+])
+def test_peer_modes_are_named_by_runtime_and_label(tmp_path, runtime, values, want):
+    for d in ("int4", "int8"):
+        (tmp_path / d).mkdir()
+    specs = peer.parse_peer_models(runtime, [v.format(d=tmp_path) for v in values], "py")
+    assert {m: w for s in specs for m, w in s.modes.items()} == want
+    assert all(s.python == "py" and s.runtime == runtime for s in specs)
+
+
+@pytest.mark.parametrize("values, needle", [
+    (["{d}/a/int4", "{d}/b/int4"], "would both be 'genai-int4'; give each its own label"),
+    (["x={d}/a", "x={d}/b"], "would both be 'genai-x'"),
+    (["ngram={d}/a"], "cannot name its modes 'genai-ngram'"),  # the n-gram mode of an unlabeled folder
+    (["a-ngram={d}/a"], "not ending in '-ngram'"),
+    (["a b={d}/a"], "give it a label of letters"),
+    (["={d}/a"], "empty label before '='"),
+])
+def test_peer_labels_that_would_clash_are_refused_with_the_fix(tmp_path, values, needle):
+    with pytest.raises(ValueError) as e:
+        peer.parse_peer_models("genai", [v.format(d=tmp_path) for v in values], "py")
+    assert needle in str(e.value), e.value
+
+
+def test_a_path_containing_a_comma_or_an_equals_sign_is_taken_whole(tmp_path):
+    d = tmp_path / "a=b,c"
+    d.mkdir()
+    (s,) = peer.parse_peer_models("genai", [str(d)], "py")
+    assert s.path == str(d) and s.name == "genai"
+
+
+@pytest.mark.parametrize("mode, is_peer, ref", [
+    ("genai", True, None), ("genai-ngram", True, "genai"), ("genai-int8-ngram", True, "genai-int8"),
+    ("llama", True, None), ("llama-q4", True, None), ("none", False, None), ("lookup", False, None),
+    ("genaix", False, None),
+])
+def test_peer_modes_and_the_greedy_answers_their_ngram_mode_must_keep(mode, is_peer, ref):
+    assert peer.is_peer_mode(mode) is is_peer and peer.peer_reference(mode) == ref
+
+
+def test_gguf_file_problem_names_a_missing_or_foreign_file(tmp_path):
+    assert "no such file" in peer.gguf_file_problem(str(tmp_path / "x.gguf"))
+    (tmp_path / "w.safetensors").write_bytes(b"\x00" * 16)
+    assert "not a GGUF file" in peer.gguf_file_problem(str(tmp_path / "w.safetensors"))
+    assert peer.gguf_file_problem(_gguf(tmp_path / "m.gguf")) is None
+
+
+# ----------------------------------------------------------------------------- the llama.cpp worker
+
+
+class _Clock:
+    def __init__(self, *times):
+        self.times = iter(times)
+
+    def __call__(self):
+        return next(self.times)
+
+
+def test_llama_generate_stops_at_the_end_token_counting_it_and_splits_prefill_from_decode(monkeypatch):
+    llm = fake_llama.Llama(__file__, n_ctx=64)
+    ids = [3, 4, 5]
+    monkeypatch.setattr(peer_llama.time, "perf_counter", _Clock(1.0, 3.0, 10.0))  # start, first token, end
+    monkeypatch.setenv("FAKE_LLAMA_EOS_AFTER", "4")
+    out = peer_llama.generate(llm, ids, 9, {fake_llama.EOS})
+    assert out["tokens"] == fake_llama.answer(ids, 4) and out["n_gen"] == 5  # the end token left out, counted
+    assert (out["prefill_s"], out["decode_s"]) == (2.0, 7.0)
+    monkeypatch.delenv("FAKE_LLAMA_EOS_AFTER")
+    monkeypatch.setattr(peer_llama.time, "perf_counter", lambda: 0.0)
+    out = peer_llama.generate(llm, ids, 6, {fake_llama.EOS})  # again: the cache is reset first (the fake insists)
+    assert out["tokens"] == fake_llama.answer(ids, 6) and out["n_gen"] == 6  # the whole budget, no end token
+    stop = fake_llama.answer(ids, 3)[2]  # edgespec's end tokens stop it too
+    out = peer_llama.generate(llm, ids, 9, {fake_llama.EOS, stop})
+    assert out["tokens"] == fake_llama.answer(ids, 2) and out["n_gen"] == 3
+
+
+def _worker(script: str, model_arg: str, reqs: list[dict], env: dict, *args: str):
+    r = subprocess.run([sys.executable, script, model_arg, *args], input="".join(json.dumps(q) + "\n" for q in reqs),
+                       capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    return r, [json.loads(line) for line in r.stdout.splitlines()]
+
+
+def test_llama_worker_protocol_context_threads_and_its_own_peak(tmp_path):
+    log = tmp_path / "log"
+    reqs = [{"ids": [1, 2], "max_new": 3, "mode": "greedy"}, {"ids": [1, 2], "max_new": 5, "mode": "greedy"}]
+    r, lines = _worker(peer.LLAMA_WORKER, _gguf(tmp_path / "m.gguf"), reqs,
+                       {"PYTHONPATH": FAKE_LLAMA, "FAKE_LLAMA_LOG": str(log), "FAKE_LLAMA_FAIL_AFTER": "1"},
+                       "--threads", "3", "--context", "64")
+    assert r.returncode == 0, r.stderr
+    assert lines[0]["ready"] == "0.0-fake-llama" and lines[0]["peak_rss_mb"] > 1  # no library chatter on stdout
+    assert lines[1]["tokens"] == fake_llama.answer([1, 2], 3) and lines[1]["peak_rss_mb"] > 1
+    assert lines[2] == {"error": "llama.cpp failed: fake llama failure"} and len(lines) == 3
+    assert json.loads(log.read_text()) == {"n_ctx": 64, "n_threads": 3, "n_threads_batch": 3, "verbose": False}
+
+
+@pytest.mark.parametrize("env, needle", [
+    ({"PYTHONPATH": "{tmp}/broken"}, "cannot import llama_cpp (no native library); install llama-cpp-python"),
+    ({"PYTHONPATH": FAKE_LLAMA}, "llama.cpp cannot load {tmp}/missing.gguf: Model path does not exist"),
+])
+def test_llama_worker_that_cannot_start_says_why_in_one_line(tmp_path, env, needle):
+    (tmp_path / "broken" / "llama_cpp").mkdir(parents=True)
+    (tmp_path / "broken" / "llama_cpp" / "__init__.py").write_text("raise ImportError('no native library')")
+    r, lines = _worker(peer.LLAMA_WORKER, str(tmp_path / "missing.gguf"), [],
+                       {k: v.format(tmp=tmp_path) for k, v in env.items()})
+    assert r.returncode == 1 and len(lines) == 1 and needle.format(tmp=tmp_path) in lines[0]["error"], lines
+
+
+# ----------------------------------------------------------------------------- the onnxruntime-genai worker
+
+
+def test_genai_at_a_context_allocates_it_and_still_stops_after_max_new():
+    """With --context its max_length is the context (the fake would then answer up to it); answers still stop
+    after max_new tokens, and an end token before that is counted as before."""
+    ids = [3, 4]
+    made = []
+    real = fake_og.GeneratorParams
+
+    class Params(real):
+        def __init__(self, model):
+            super().__init__(model)
+            made.append(self)
+
+    og = SimpleNamespace(**{**vars(fake_og), "GeneratorParams": Params})
+    out = peer_genai.generate(og, None, ids, 5, None, set(), context=64)
+    assert made[-1].max_length == 64 and out["tokens"] == fake_og.answer(ids, 5) and out["n_gen"] == 5
+    out = peer_genai.generate(og, None, ids, 5, {"ngram_size": 3}, set(), context=64)
+    assert out["tokens"] == fake_og.answer(ids, 5, ngram=True)
+    out = peer_genai.generate(og, None, ids, 5, None, set())  # no context: the prompt plus max_new, as before
+    assert made[-1].max_length == 7 and out["n_gen"] == 5
+
+
+# ----------------------------------------------------------------------------- the fp32 reference worker
+
+
+def _torch_greedy(hf_dir, ids, n, stop=()):
+    """The slow reference: a full forward per token, no cache; stops before a `stop` token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(hf_dir).float().eval()
+    seq = list(ids)
+    with torch.no_grad():
+        while len(seq) < len(ids) + n:
+            t = int(m(input_ids=torch.tensor([seq])).logits[0, -1].argmax())
+            if t in stop:
+                break
+            seq.append(t)
+    return seq[len(ids):]
+
+
+def test_reference_worker_is_fp32_greedy_with_the_cache_and_stops_at_end_tokens(tiny_llama_dir):
+    ids = [1, 40, 41, 42, 43, 2]
+    want = _torch_greedy(tiny_llama_dir, ids, 8)
+    ref = peer.Peer(sys.executable, str(tiny_llama_dir), 1, worker=peer.HF_WORKER, modes={"fp32": "greedy"})
+    try:
+        assert ref.version.startswith("transformers ")
+        assert ref.run(ids, 8, "fp32")["tokens"] == want
+        stop = [t for t in want if t != want[0]][:1]  # an end token edgespec names cuts the answer there
+        cut = want.index(stop[0]) if stop else len(want)
+        assert ref.run(ids, 8, "fp32", stop=stop)["tokens"] == want[:cut]
+    finally:
+        ref.close()
+
+
+def test_reference_worker_without_torch_or_a_checkpoint_is_one_peer_error(tmp_path):
+    with pytest.raises(peer.PeerError, match="transformers cannot load"):
+        peer.Peer(sys.executable, str(tmp_path), 1, worker=peer.HF_WORKER, modes={"fp32": "greedy"})
+
+
+# ----------------------------------------------------------------------------- bookkeeping (pure)
+
+
+@pytest.mark.parametrize("tokens, ref, want", [
+    ([1, 2, 3], [1, 2, 3], (3, True)),
+    ([1, 2, 3, 9], [1, 2, 3], (3, True)),  # edgespec keeps its end token (9) in the ids
+    ([1, 2, 3], [1, 2, 3, 9], (3, True)),
+    ([1, 5, 3], [1, 2, 3], (1, False)),
+    ([1, 2], [1, 2, 3], (2, False)),  # stopped early: agrees as far as it goes, not the same answer
+    ([], [], (0, True)),
+    ([7], [1], (0, False)),
+])
+def test_agreement_counts_tokens_before_divergence_leaving_end_tokens_out(tokens, ref, want):
+    assert bench.agreement(tokens, ref, {9}) == want
+
+
+def _rec(pid, mode, rep, tok_s, tokens, turn=0, **kw):
+    return {"id": pid, "turn": turn, "category": "qa", "mode": mode, "rep": rep, "decode_tok_s": tok_s,
+            "mean_accepted": None, "overhead_ms_per_step": None, "target_s": None, "draft_s": None, "steps": None,
+            "tokens": tokens, **kw}
+
+
+def test_runtimes_are_first_turn_medians_with_fidelity_and_each_process_peak():
+    runs = [_rec("a", "none", 0, 10.0, [1], prefill_tok_s=100.0, fp32_agreed=4, fp32_identical=True,
+                 peak_rss_mb=300.0),
+            _rec("a", "none", 1, 20.0, [1], prefill_tok_s=300.0, fp32_agreed=4, fp32_identical=True,
+                 peak_rss_mb=310.0),
+            _rec("b", "none", 0, 40.0, [1], prefill_tok_s=500.0, fp32_agreed=10, fp32_identical=False,
+                 peak_rss_mb=305.0),
+            _rec("b", "none", 0, 1000.0, [1], turn=1, prefill_tok_s=9e9, peak_rss_mb=320.0),  # a second turn
+            _rec("a", "llama", 0, 30.0, [1], prefill_tok_s=50.0, fp32_agreed=2, fp32_identical=False,
+                 peak_rss_mb=150.0),
+            _rec("b", "llama", 0, 50.0, [1], prefill_tok_s=70.0, fp32_agreed=0, fp32_identical=False,
+                 peak_rss_mb=None)]
+    rows = bench.runtimes(runs, ["none", "lookup", "llama"], {"none": 400.0, "llama": 120.0},
+                          {"none": "edgespec fp32 · none", "llama": "llama.cpp · greedy"})
+    assert set(rows) == {"none", "llama"}  # lookup did not run
+    none = rows["none"]
+    assert none["decode_tok_s"] == 27.5 and none["prefill_tok_s"] == 350.0  # medians of (15, 40) and (200, 500)
+    assert none["tokens_before_divergence"] == 7.0 and none["identical_to_fp32"] == "1/2" and none["prompts"] == 2
+    assert none["peak_rss_mb"] == 400.0  # loading peaked above every run
+    assert rows["llama"]["peak_rss_mb"] == 150.0 and rows["llama"]["tokens_before_divergence"] == 1.0
+    md = bench.runtimes_markdown(rows, 4096)
+    assert "peak RSS MB (context 4096)" in md and "| llama.cpp · greedy | 2 | 40.0 | 60.0 | 1.0 | 0/2 | 150.0 |" in md
+    assert bench.runtimes([_rec("a", "none", 0, 10.0, [1])], ["none"])["none"]["tokens_before_divergence"] is None
+
+
+class _Engine:
+    context = 8
+    eos = {2}
+
+    def encode(self, messages):
+        return [1] * len(messages[0]["content"])
+
+
+def test_a_peer_prompt_that_does_not_fit_the_context_is_skipped_like_edgespecs():
+    class Peer:
+        def run(self, ids, max_new, mode, stop=None):
+            self.asked = (max_new, stop)
+            return {"tokens": [5, 2], "n_gen": 2, "decode_s": 1.0, "prefill_s": 0.5, "peak_rss_mb": 77.0}
+
+    a, p = SimpleNamespace(max_tokens=100), Peer()
+    (r,) = bench._run_peer(p, _Engine(), {"id": "x", "turns": ["abcde"]}, "llama", a, {"x": [5]})
+    assert p.asked == (3, [2])  # what is left of the context; edgespec's end tokens
+    assert r["peak_rss_mb"] == 77.0 and r["prefill_tok_s"] == 10.0 and r["fp32_agreed"] == 1 and r["fp32_identical"]
+    with pytest.raises(bench.ContextFull):
+        bench._run_peer(p, _Engine(), {"id": "x", "turns": ["abcdefgh"]}, "llama", a)
+
+
+# ----------------------------------------------------------------------------- end to end (tiny model, fakes)
+
+
+def _prompts(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("\n".join(json.dumps({"id": f"x{i}", "category": c, "turns": t}) for i, (c, t) in enumerate(
+        [("qa", ["the quick brown fox"]), ("code", ["def add(a, b):", "now subtract"])])) + "\n")
+    return f
+
+
+@pytest.fixture
+def fakes(monkeypatch, tmp_path):
+    """Peer workers started by edge.bench.main find the fake runtimes; the fp32 cache lives in tmp_path."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FAKE_GENAI, FAKE_LLAMA]))
+    monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
+    for v in ("FAKE_GENAI_FAIL_AFTER", "FAKE_GENAI_EOS_AFTER", "FAKE_LLAMA_EOS_AFTER", "FAKE_LLAMA_FAIL_AFTER"):
+        monkeypatch.delenv(v, raising=False)
+    for d in ("int4", "int8"):
+        (tmp_path / "genai" / d).mkdir(parents=True)
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(tmp_path / "llama.log"))
+    return tmp_path
+
+
+def test_bench_runs_every_peer_with_fidelity_prefill_and_each_runtimes_peak(model, tiny_llama_dir, fakes, capsys):
+    out = fakes / "b.json"
+    args = [str(_prompts(fakes)), "--model", model, "--reps", "2", "--max-tokens", "9", "--llama-model",
+            f"q4={_gguf(fakes / 'm.gguf')}", "--llama-python", sys.executable, "--reference-hf", str(tiny_llama_dir),
+            "--out", str(out), "--quiet"]
+    genai = ["--modes", "none,lookup", "--peer-model", f"{fakes}/genai/int4,{fakes}/genai/int8"]
+    assert bench.main(args + genai) == 0, capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    peers = ["genai-int4", "genai-int4-ngram", "genai-int8", "genai-int8-ngram", "llama-q4"]
+    assert doc["modes"] == ["none", "lookup"] + peers and doc["context"] == 256
+    assert [p["name"] for p in doc["peers"]] == ["genai-int4", "genai-int8", "llama-q4"] and doc["peer"] is None
+    assert [p["version"] for p in doc["peers"]] == ["0.0-fake", "0.0-fake", "0.0-fake-llama"]
+    assert json.loads((fakes / "llama.log").read_text().splitlines()[0])["n_ctx"] == 256  # the engine's context
+    import edge
+
+    engine = edge.load(model, drafter="none")
+    runs = doc["runs"]
+    for pid, first in (("x0", "the quick brown fox"), ("x1", "def add(a, b):")):
+        ids = engine.encode([{"role": "user", "content": first}])
+        ref = _torch_greedy(tiny_llama_dir, ids, 9, engine.eos)
+        for r in (r for r in runs if r["id"] == pid and r["turn"] == 0):
+            want = {"genai-int4": fake_og.answer(ids, 9), "genai-int8": fake_og.answer(ids, 9),
+                    "genai-int4-ngram": fake_og.answer(ids, 9, True), "genai-int8-ngram": fake_og.answer(ids, 9, True),
+                    "llama-q4": fake_llama.answer(ids, 9)}.get(r["mode"], r["tokens"])
+            assert r["tokens"] == want, r["mode"]
+            assert r["fp32_agreed"] == bench.agreement(want, ref, engine.eos)[0], r["mode"]
+            assert r["prefill_tok_s"] > 0 and r["peak_rss_mb"] > 1, r
+        none = next(r for r in runs if r["id"] == pid and r["mode"] == "none")
+        assert none["fp32_identical"] is True  # the fp32 export answers as transformers does
+    assert not [r for r in runs if r["mode"] in peers and r["turn"] > 0]
+    rt = doc["runtimes"]
+    assert list(rt) == doc["modes"]
+    assert rt["none"]["runtime"] == "edgespec fp32 · none" and rt["genai-int8-ngram"]["runtime"] == \
+        "onnxruntime-genai int8 · n-gram" and rt["llama-q4"]["runtime"] == "llama.cpp q4 · greedy"
+    assert rt["none"]["identical_to_fp32"] == "2/2"
+    ours = [r["peak_rss_mb"] for r in runs if r["mode"] in ("none", "lookup")]
+    assert doc["peak_rss_mb"] >= round(max(ours), 1) and rt["none"]["peak_rss_mb"] <= doc["peak_rss_mb"]
+    theirs = [r["peak_rss_mb"] for r in runs if r["mode"] == "llama-q4"] + [doc["peers"][2]["load_peak_rss_mb"]]
+    assert rt["llama-q4"]["peak_rss_mb"] == max(theirs)  # the worker's own peak, not edge-bench's
+    assert doc["summary"]["code"]["genai-int8-ngram"]["identical_to_own_greedy"] == "0/1"  # vs genai-int8's
+    assert doc["summary"]["qa"]["llama-q4"]["prefill_tok_s"] > 0
+    assert doc["reference"]["computed"] == 2 and doc["reference"]["cached"] == 0
+    md = out.with_suffix(".md").read_text()
+    assert "| edgespec fp32 · none | 2 | " in md and "| llama.cpp q4 · greedy | 2 |" in md
+    # again: the fp32 answers come from the cache, so no reference worker is started at all
+    assert bench.main(args + ["--reference-python", "/nonexistent/python", "--modes", "none"]) == 0
+    doc2 = json.loads(out.read_text())
+    assert doc2["reference"]["computed"] == 0 and doc2["reference"]["cached"] == 2
+    assert doc2["modes"] == ["none", "llama-q4"] and [p["name"] for p in doc2["peers"]] == ["llama-q4"]
+    assert doc2["runtimes"]["llama-q4"]["tokens_before_divergence"] == rt["llama-q4"]["tokens_before_divergence"]
+
+
+def test_bench_context_flag_sizes_every_runtime(model, fakes, capsys):
+    out = fakes / "b.json"
+    assert bench.main([str(_prompts(fakes)), "--model", model, "--reps", "1", "--max-tokens", "4", "--modes", "none",
+                       "--llama-model", _gguf(fakes / "m.gguf"), "--context", "128", "--out", str(out),
+                       "--quiet"]) == 0, capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    assert doc["context"] == 128 and doc["modes"] == ["none", "llama"]
+    assert json.loads((fakes / "llama.log").read_text())["n_ctx"] == 128
+
+
+def test_bench_llama_failing_midway_keeps_what_ran(model, fakes, capsys, monkeypatch):
+    monkeypatch.setenv("FAKE_LLAMA_FAIL_AFTER", "2")  # the warm-up and one answer
+    out = fakes / "b.json"
+    rc = bench.main([str(_prompts(fakes)), "--model", model, "--reps", "2", "--max-tokens", "4", "--modes",
+                     "none,llama", "--llama-model", _gguf(fakes / "m.gguf"), "--out", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "the peer failed (llama.cpp failed: fake llama failure)" in err, err
+    assert sum(r["mode"] == "llama" for r in json.loads(out.read_text())["runs"]) == 1
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--llama-python", "/usr/bin/python3"], "--llama-python needs --llama-model (a GGUF file)"),
+    (["--reference-python", "/usr/bin/python3"], "--reference-python needs --reference-hf"),
+    (["--reference-cache", "{tmp}/c.json"], "--reference-cache needs --reference-hf"),
+    (["--llama-model", "{tmp}/none.gguf"], "--llama-model {tmp}/none.gguf: no such file"),
+    (["--llama-model", "{tmp}/p.jsonl"], "--llama-model {tmp}/p.jsonl: not a GGUF file"),
+    (["--peer-model", "{tmp}/g/a/int4", "--peer-model", "{tmp}/g/b/int4"], "would both be 'genai-int4'"),
+    (["--modes", "none,llama"], "--modes llama: choose from"),
+    (["--modes", "none,llama"], "llama modes need --llama-model"),
+    (["--peer-model", "{tmp}/g/a/int4", "--peer-model", "{tmp}/g/b/int8", "--modes", "genai"],
+     "choose from hybrid, recycling, model, lookup, none, genai-int4, genai-int4-ngram, genai-int8"),
+    (["--llama-model", "{gguf}", "--temp", "0.5"], "--llama-model times greedy decoding only; drop --temp"),
+    (["--reference-hf", "{tmp}"], "--reference-hf {tmp}: no config.json there"),
+    (["--reference-hf", "{tmp}/g", "--temp", "0.5"], "--reference-hf compares greedy answers; drop --temp"),
+])
+def test_bad_peer_flags_are_refused_before_loading(tmp_path, capsys, monkeypatch, flags, needle):
+    import edge
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded the model before refusing the flags")
+
+    monkeypatch.setattr(edge, "load", no_load)
+    for d in ("a/int4", "b/int4", "b/int8"):
+        (tmp_path / "g" / d).mkdir(parents=True)
+    (tmp_path / "g" / "config.json").write_text("{}")
+    prompts, gguf = _prompts(tmp_path), _gguf(tmp_path / "m.gguf")
+    flags = [f.format(tmp=tmp_path, gguf=gguf) for f in flags]
+    rc = bench.main([str(prompts), "--out", str(tmp_path / "b.json"), "--quiet", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle.format(tmp=tmp_path) in err and "Traceback" not in err, err
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_the_fp32_cache_key_follows_the_weights_not_other_files(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 8)
+    before = bench._reference_fingerprint(str(tmp_path))
+    (tmp_path / "cache.json").write_text("{}")  # a --reference-cache kept in the folder itself
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert bench._reference_fingerprint(str(tmp_path)) == before
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)  # re-exported weights: computed again
+    assert bench._reference_fingerprint(str(tmp_path)) != before
