@@ -261,6 +261,26 @@ def detect_host(providers: list[str] | None = None) -> DeviceProfile:
         notes=f"budget = {HOST_BUDGET_FRACTION:.0%} of the RAM available at detection")
 
 
+# CPU features that decide which kernels ONNX Runtime's MLAS takes (and so the fastest exact graph layout)
+KERNEL_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_int8", "asimddp", "sve", "i8mm")
+
+
+def cpu_features() -> str:
+    """The CPU's model name and the kernel-deciding features it has, as one line ("unknown" off Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines()
+                  if line.lower().startswith(("model name", "cpu model", "hardware"))), "unknown")
+    flags = set()
+    for line in info.splitlines():
+        if line.lower().startswith(("flags", "features")):
+            flags |= set(line.split(":", 1)[1].split())
+    return " ".join([model] + [f for f in KERNEL_FEATURES if f in flags])
+
+
 @functools.lru_cache(maxsize=None)
 def int8_gemm_exact() -> bool:
     """Does this host's ONNX Runtime sum uint8 x int8 products exactly (MatMulIntegerToFloat with int8 weights, the

@@ -26,8 +26,9 @@ OLDEST_FORMAT = 1  # format 2 adds GraphEntry.arch (a drafter from its own check
 # (2: the pad query row; 3: block-quantized embedding rows; 4: the default export became w8a8; 5: the on-graph head
 # takes k and the temperature per call and returns probabilities; 6: w8a8 smoothed before quantization, int4 blocks
 # keep their float minimum; 7: w8a8 weights as uint8 where the host's int8 GEMM saturates, `GraphEntry.w8a8_kernel`;
-# 8: w8a8 activations quantized by one blocked QuantizeLinear per linear (opset 21), 6 nodes instead of 8)
-GRAPH_VERSION = 8
+# 8: w8a8 activations quantized by one blocked QuantizeLinear per linear (opset 21), 6 nodes instead of 8; 9: an int8
+# KV cache with static per-channel scales, the pad query row only where the host needs it)
+GRAPH_VERSION = 9
 FAST_HASH_BYTES = 16 << 20  # verify="fast" hashes files up to this size
 MANIFEST_NAME = "edge_model.json"
 # what a manifest may hold, checked before anything is sized from it. A real manifest is ~10 KB (mostly the chat
@@ -112,6 +113,8 @@ class Manifest:
     source: dict  # path, format, sha256
     converter: dict  # versions of edgespec, onnx, onnxruntime, gguf, transformers
     parity: dict = field(default_factory=dict)
+    # what the exporter chose on its host (precision, pad row, KV cache) and the measurements behind it
+    choice: dict = field(default_factory=dict)
 
     # ---------------------------------------------------------------- queries
     @property

@@ -342,6 +342,27 @@ def probe_min_call(session) -> int:
     return 1 if np.array_equal(one, two) else 2
 
 
+def one_row_exact(session, contexts=(2, 40, 300), widths=(2, 3, 5, 8)) -> bool:
+    """Does a 1-token call compute, bit for bit, what the same token gets as the first row of wider calls, after
+    prefixes of several lengths? True only if the load-time probe found no padding needed (min_call 1). The
+    exporter asks it of a graph without the pad query row: where it holds on this host, the row is not needed."""
+    if session.min_call != 1:
+        return False
+    for n in contexts:
+        if n + max(widths) > session.cache.capacity:
+            continue
+        prefix = [(11 * i) % 89 + 3 for i in range(n)]
+        session.cache.trim(session.cache.length)
+        session.prefill(prefix)
+        one = session.forward([7])[0].copy()
+        for w in widths:
+            if not np.array_equal(one, session.forward([7] + [(5 * j) % 23 + 3 for j in range(w - 1)])[0]):
+                session.cache.trim(session.cache.length)
+                return False
+    session.cache.trim(session.cache.length)
+    return True
+
+
 def width_independent(session, widths=(2, 3, 5, 8)) -> bool:
     """Do the logits of a token depend on how many draft tokens follow it in a causal verify call? Greedy chain
     speculation is lossless only if they do not (the first row of every width equals the narrowest call)."""

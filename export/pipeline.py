@@ -27,14 +27,16 @@ from edge.text import TextCodec
 from . import calibration, distill, kvquant, reference, smooth
 from .checkpoint import Checkpoint, load_checkpoint
 from .evaluate import GraphRunner, parity, rank_vocabulary
-from .graph import GRAPH_VERSION, KV_CACHES, GraphOptions, build_graph, host_w8a8_kernel, save_model
+from .graph import GRAPH_VERSION, KV_CACHES, PRECISIONS, GraphOptions, build_graph, host_w8a8_kernel, save_model
 from .tokenizer import write_tokenizer
 
 # Chosen by measurement on the 2-core dev VMs (README "Quantization"): int8 weights per channel with int8 activations
 # per row (w8a8). Against int4 MatMulNBits: one-row calls 6-9% slower, 8-row verify calls 19-26% faster, so every
 # drafter earns more per step, and top-1 agreement with the fp32 source 0.86 instead of 0.63.
-DEFAULT_PRECISION = "w8a8"
-DEFAULT_KV_CACHE = "float32"
+DEFAULT_PRECISION = "auto"
+# "auto": an int8 cache under quantized weights (int4, int8, w8a8), the graph's float type under fp32/fp16 ones
+DEFAULT_KV_CACHE = "auto"
+PAD_ROWS = ("auto", "on", "off")
 # Early-exit layers, trimmed vocabulary: the best expected chain speedup of N ∈ {2,4,6,8} × K ∈ {2k,8k,16k,full}
 # on the 2-core dev VM (distilled top-1 agreement ≈ 0.13 for every N ≤ 4, so the cheapest call wins; (2, 8192) is
 # within noise). Even this one stays below plain decoding for chains (≈ 0.96×): the engine's auto mode prefers
@@ -71,12 +73,20 @@ class ExportOptions:
     # export is compared on, the layout actually written
     w8a8_kernel: str | None = None
     # the target's (and its early-exit drafters') KV cache: "int8" codes with static per-channel scales fitted on the
-    # calibration prompts (export/kvquant.py; a quarter of float32's bytes), or "float32"
+    # calibration prompts (export/kvquant.py; a quarter of float32's bytes), "float32", or "auto" (int8 under
+    # quantized weights)
     kv_cache: str = DEFAULT_KV_CACHE
+    # the attention pad query row (export/graph.py): "auto" keeps it only where this host's single-query attention
+    # path computes a lone row differently from wider calls (probed on the graph at export); "on" / "off" force it
+    pad_row: str = "auto"
 
     def __post_init__(self):
-        if self.kv_cache not in KV_CACHES:
-            raise ValueError(f"kv_cache {self.kv_cache!r}: choose one of {', '.join(KV_CACHES)}")
+        if self.pad_row not in PAD_ROWS:
+            raise ValueError(f"pad_row {self.pad_row!r}: choose one of {', '.join(PAD_ROWS)}")
+        if self.precision not in ("auto",) + PRECISIONS:
+            raise ValueError(f"precision {self.precision!r}: choose one of auto, {', '.join(PRECISIONS)}")
+        if self.kv_cache not in ("auto",) + KV_CACHES:
+            raise ValueError(f"kv_cache {self.kv_cache!r}: choose one of auto, {', '.join(KV_CACHES)}")
         # refused before any work: a negative drafter vocabulary or no calibration text writes a broken model
         for field_name in ("max_len", "calib_new_tokens", "threads"):
             if getattr(self, field_name) < 1:
@@ -98,13 +108,22 @@ class ExportOptions:
             del d["w8a8_kernel"]
         if self.kv_cache == "float32":  # exports from before the option compare equal
             del d["kv_cache"]
+        if self.pad_row != "on":  # decided on this host ("auto"): another host may decide otherwise
+            d["host"] = host_signature()
         return d
+
+    @property
+    def resolved_kv_cache(self) -> str:
+        if self.precision == "fp16" or (self.kv_cache == "auto" and self.precision in ("fp32", "fp16")):
+            return "float32"  # (an fp16 graph's float cache is fp16)
+        return "int8" if self.kv_cache == "auto" else self.kv_cache
 
     def graph_options(self, max_len: int, layers: int | None = None) -> GraphOptions:
         return GraphOptions(precision=self.precision, block_size=self.block_size, accuracy_level=self.accuracy_level,
                             lm_head_bits=self.lm_head_bits, block_min=self.block_min, layers=layers, max_len=max_len,
                             w8a8_kernel=self.w8a8_kernel,
-                            kv_cache=self.kv_cache if self.precision != "fp16" else "float32")
+                            kv_cache=self.resolved_kv_cache,
+                            pad_query=self.pad_row != "off")
 
 
 class _Steps:
@@ -379,8 +398,9 @@ def _export_locked(source, out_dir, opts: ExportOptions, progress: bool, checkpo
         build = lambda: export_via_optimum(source, part, opts, steps)  # noqa: E731
     else:
         distilling = opts.distill and bool(opts.drafters)
-        steps = _Steps(6 + (3 if distilling else 2) * len(opts.drafters) + distilling
-                       + 2 * len(opts.drafter_checkpoints) + _smoothing(opts), progress)
+        candidates = len(AUTO_PRECISIONS) if opts.precision == "auto" else 1
+        steps = _Steps(4 + candidates + (3 if distilling else 2) * len(opts.drafters) + distilling
+                       + 2 * len(opts.drafter_checkpoints), progress)
         build = lambda: _build(source, part, opts, steps, checkpoint)  # noqa: E731
     try:
         m = build()
@@ -439,41 +459,27 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
     prompts = [p[-room:] for p in prompts]
     calib, held = prompts[: -calibration.HELD_OUT], prompts[-calibration.HELD_OUT :]
 
-    smoothing = None
-    if _smoothing(opts):
-        steps.start("smoothing activations (w8a8)")
-        t = time.perf_counter()
-        # parity compares with the source: its logits first, so the unsmoothed weights need not stay in memory
-        # beside the smoothed ones (~425 MB for the embedded model)
-        ref = [reference.forward(ck, ids) for ids in held[:3]] if opts.parity else []
-        ck = smooth.smooth(ck, smooth.activation_maxima(ck, calib))
-        smoothing = {"alpha": smooth.ALPHA, "prompts": len(calib), "seconds": round(time.perf_counter() - t, 2)}
-        steps.done()
-
-    steps.start(f"target graph ({opts.precision})")
+    requested = opts
+    ref = [reference.forward(ck, ids) for ids in held[:3]] if opts.parity or opts.precision == "auto" else []
+    candidates = [_target_candidate(ck, replace(opts, precision=p, w8a8_kernel=opts.w8a8_kernel
+                                                if p == opts.precision else None), part, max_len, calib, held, ref,
+                                    steps)
+                  for p in (AUTO_PRECISIONS if opts.precision == "auto" else (opts.precision,))]
+    chosen = choose_target(candidates)
+    # the decision and its evidence, host named: a cached default export is rebuilt where another host decides
+    choice = {"host": host_signature(), "precision": chosen.opts.precision, "pad_row": chosen.graph_opts.pad_query,
+              "kv_cache": chosen.graph_opts.kv_cache, "fidelity_floor": FIDELITY_FLOOR,
+              "candidates": [t.summary() for t in candidates]}
+    for t in candidates:
+        if t is not chosen:
+            shutil.rmtree(t.dir)
+    chosen.dir.rename(part / "target")
     target_file = "target/model.onnx"
-    (part / "target").mkdir()
-    target_opts = opts.graph_options(max_len)
-    save_model(build_graph(ck, replace(target_opts, kv_cache="float32")), str(part / target_file))
+    ck, opts, target_opts = chosen.ck, chosen.opts, chosen.graph_opts
+    kv_scales, smoothing = chosen.kv_scales, chosen.smoothing
+    del candidates
     runner = GraphRunner(str(part / target_file), c.layers, c.kv_heads, c.head_dim, opts.threads)
-    kv_scales = None
-    if target_opts.kv_cache == "int8":  # scales from the float-cache graph's own K/V, then the int8-cache graph
-        kv_scales = kvquant.kv_scales(runner, calib)
-        del runner
-        _remove_graph(part / target_file)
-        save_model(build_graph(ck, target_opts, kv_scales=kv_scales), str(part / target_file))
-        runner = GraphRunner(str(part / target_file), c.layers, c.kv_heads, c.head_dim, opts.threads)
-    steps.done()
-
-    steps.start("parity vs fp32 reference")
-    report = {}
-    if opts.parity:
-        if smoothing is None:
-            ref = [reference.forward(ck, ids) for ids in held[:3]]
-        got = [runner.logits(ids) for ids in held[:3]]
-        report = parity(ref, got)
-        report["prompts"] = len(ref)
-    steps.done()
+    report = dict(chosen.parity) if requested.parity else {}
 
     steps.start("calibration text (target greedy)")
     stop = tf.eos
@@ -522,7 +528,8 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
         ids_kept = np.sort(ranked[:k]).astype(np.int64)
         np.save(part / name / "id_map.npy", ids_kept)
         path = part / name / "model.onnx"
-        gopts, head_ids = opts.graph_options(max_len, layers), (ids_kept if k < c.vocab else None)
+        gopts = replace(opts.graph_options(max_len, layers), pad_query=target_opts.pad_query)
+        head_ids = ids_kept if k < c.vocab else None
         save_model(build_graph(ck, gopts, head_ids, kv_scales=kv_scales), str(path))
         steps.done()
 
@@ -592,15 +599,135 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
         chat_template=tf.chat_template,
         special_tokens={"bos": tf.bos, "eos": list(tf.eos), "pad": tf.pad},
         source={"path": str(Path(ck.source).resolve()), "format": ck.source_format,
-                "sha256": source_digest(ck.source), "options": opts.recorded(),
+                "sha256": source_digest(ck.source), "options": requested.recorded(),
                 "graph_version": GRAPH_VERSION},
         converter=_versions(),
         parity=report,
+        choice=choice,
     )
     m = _time_contexts(m, part, past, opts.threads)
     m.write(part)
     steps.done()
     return m
+
+
+# `--precision auto`: the candidates the exporter builds, measures and chooses between on the host it runs on
+AUTO_PRECISIONS = ("int4", "w8a8")
+FIDELITY_FLOOR = 0.93  # parity top-1 against the fp32 source a chosen precision must reach (if any candidate does)
+# the chain acceptance per draft token that prices speculation when candidates are compared (hybrid's typical rate)
+CHOICE_ACCEPTANCE = 0.6
+CHOICE_CONTEXTS = (128, VERIFY_LONG_CONTEXT)
+
+
+def host_signature() -> str:
+    """What decides the fastest exact kernels here: the CPU's model and vector features, and ONNX Runtime's version.
+    A cached export whose recorded signature differs was chosen for another machine."""
+    import onnxruntime as ort
+
+    from devices import cpu_features
+
+    return f"{platform.machine()} {cpu_features()} onnxruntime {ort.__version__}"
+
+
+@dataclass
+class _Target:
+    """One candidate target graph, written to `dir`, with what was measured of it."""
+    opts: ExportOptions
+    graph_opts: GraphOptions
+    dir: Path
+    ck: Checkpoint
+    kv_scales: np.ndarray | None
+    smoothing: dict | None
+    parity: dict
+    latency_ms: dict  # context -> [ms for S = 1..VERIFY_SIZES]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Expected greedy tokens/s: per context, the best of plain decoding and chains of k drafts accepted at
+        CHOICE_ACCEPTANCE each (E[tokens] = (1 - a^(k+1)) / (1 - a) per verify call of k + 1 rows), averaged."""
+        a = CHOICE_ACCEPTANCE
+        per = [max((1 - a ** s) / (1 - a) * 1000 / ms for s, ms in enumerate(curve, 1))
+               for curve in self.latency_ms.values()]
+        return sum(per) / len(per)
+
+    @property
+    def fidelity(self) -> float:
+        return self.parity.get("top1_agreement", 0.0)
+
+    def summary(self) -> dict:
+        return {"precision": self.opts.precision, "top1_agreement": self.fidelity,
+                "max_abs_diff": self.parity.get("max_abs_diff"), "pad_row": self.graph_opts.pad_query,
+                "expected_tokens_per_s": round(self.tokens_per_s, 1),
+                "latency_ms_by_s_at": [[c, [round(x, 3) for x in v]] for c, v in self.latency_ms.items()]}
+
+
+def choose_target(candidates: list[_Target]) -> _Target:
+    """The fastest candidate (expected tokens/s) among those at the fidelity floor; if none reaches it, the most
+    faithful one."""
+    if len(candidates) == 1:
+        return candidates[0]
+    faithful = [t for t in candidates if t.fidelity >= FIDELITY_FLOOR]
+    if not faithful:
+        return max(candidates, key=lambda t: t.fidelity)
+    return max(faithful, key=lambda t: t.tokens_per_s)
+
+
+def _target_candidate(ck: Checkpoint, opts: ExportOptions, part: Path, max_len: int, calib, held, ref,
+                      steps: _Steps) -> _Target:
+    """Build one target graph at `opts.precision` into part/candidate-<precision>: smoothing (w8a8), the KV
+    cache's scales (int8), the pad query row only where this host needs it (`--pad-row auto`), then its parity
+    against `ref` and its call latency at CHOICE_CONTEXTS."""
+    c = ck.config
+    smoothing = None
+    if _smoothing(opts):
+        steps.start("smoothing activations (w8a8)")
+        t = time.perf_counter()
+        ck = smooth.smooth(ck, smooth.activation_maxima(ck, calib))
+        smoothing = {"alpha": smooth.ALPHA, "prompts": len(calib), "seconds": round(time.perf_counter() - t, 2)}
+    steps.start(f"target graph ({opts.precision})")
+    d = part / f"candidate-{opts.precision}"
+    d.mkdir()
+    path = d / "model.onnx"
+    gopts = opts.graph_options(max_len)
+    kv_scales = None
+    if gopts.kv_cache == "int8":  # scales from the float-cache graph's own K/V
+        save_model(build_graph(ck, replace(gopts, kv_cache="float32", pad_query=False)), str(path))
+        kv_scales = kvquant.kv_scales(GraphRunner(str(path), c.layers, c.kv_heads, c.head_dim, opts.threads), calib)
+        _remove_graph(path)
+    pad = opts.pad_row != "off"
+    if opts.pad_row == "auto":  # without the row first: kept where a lone row computes what wider calls do
+        save_model(build_graph(ck, replace(gopts, pad_query=False), kv_scales=kv_scales), str(path))
+        pad = not _one_row_exact(path, c, gopts, max_len, opts.threads)
+        if pad:
+            _remove_graph(path)
+    gopts = replace(gopts, pad_query=pad)
+    if not path.exists():
+        save_model(build_graph(ck, gopts, kv_scales=kv_scales), str(path))
+    runner = GraphRunner(str(path), c.layers, c.kv_heads, c.head_dim, opts.threads)
+    report = {}
+    if ref:
+        report = parity(ref, [runner.logits(ids) for ids in held[:3]])
+        report["prompts"] = len(ref)
+    latency = {}
+    for ctx in CHOICE_CONTEXTS:
+        past = min(ctx, max_len - VERIFY_SIZES)
+        latency[past] = [runner.latency_ms(s, past=past, reps=10) for s in range(1, VERIFY_SIZES + 1)]
+    steps.done()
+    return _Target(opts, gopts, d, ck, kv_scales, smoothing, report, latency)
+
+
+def _one_row_exact(path: Path, c, gopts: GraphOptions, max_len: int, threads: int) -> bool:
+    """The runtime's own session over the graph at `path`: does a 1-token call equal the same token in wider calls
+    (edge.runner.one_row_exact)?"""
+    from edge.runner import GraphSession, one_row_exact
+
+    entry = GraphEntry(role="target", name="target", file=path.name, layers=c.layers, vocab=c.vocab,
+                       precision=gopts.precision, w8a8_kernel=gopts.w8a8_kernel or "u8s8", max_len=max_len,
+                       kv_dtype=gopts.kv_cache, accuracy_level=gopts.accuracy_level)
+    probe = Manifest(format_version=1, name="probe", arch=c.to_dict(), graphs=(entry,), files=(), tokenizer="",
+                     chat_template=None, special_tokens={}, source={}, converter={})
+    sess = GraphSession(str(path), probe, entry, capacity=min(max_len, 512), threads=threads)
+    return one_row_exact(sess)
 
 
 def _remove_graph(path: Path) -> None:

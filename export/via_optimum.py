@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -160,6 +160,8 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
     from .pipeline import VERIFY_SIZES, _versions, source_digest
 
     src = Path(source)
+    if opts.precision == "auto":  # nothing to choose between here: ORT's weight-only quantizer at 4 bits
+        opts = replace(opts, precision="int4")
     if opts.precision not in OPTIMUM_PRECISIONS:
         raise ValueError(f"--precision {opts.precision} is not available --via optimum (choose "
                          f"{', '.join(OPTIMUM_PRECISIONS)})")
