@@ -108,7 +108,7 @@ class ExportOptions:
             del d["w8a8_kernel"]
         if self.kv_cache == "float32":  # exports from before the option compare equal
             del d["kv_cache"]
-        if self.pad_row != "on":  # decided on this host ("auto"): another host may decide otherwise
+        if self.pad_row == "auto" or self.precision == "auto":  # decided by measuring this host: another may differ
             d["host"] = host_signature()
         return d
 

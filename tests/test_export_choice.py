@@ -1,0 +1,124 @@
+"""The exporter's per-host choice of the target graph: precision (--precision auto), the attention pad row
+(--pad-row auto) and the KV cache (--kv-cache auto), recorded in the manifest with the measurements behind it.
+
+Kinds: exact cases for the decision rule; an end-to-end export of the tiny model whose recorded choice must agree
+with what its graphs compute on this host (never an assertion of how a particular CPU behaves)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import MAX_LEN, VOCAB, tiny_export_options
+from export import pipeline
+from export.pipeline import FIDELITY_FLOOR, ExportOptions, _Target, choose_target
+
+
+def target(precision, top1, curve_128, curve_1k=None):
+    return _Target(opts=ExportOptions(precision=precision), graph_opts=None, dir=Path("."), ck=None, kv_scales=None,
+                   smoothing=None, parity={"top1_agreement": top1},
+                   latency_ms={128: curve_128, 1024: curve_1k or curve_128})
+
+
+def test_expected_tokens_per_s_prices_plain_and_chains():
+    a = pipeline.CHOICE_ACCEPTANCE
+    t = target("int4", 0.95, [10.0, 100.0, 100.0])  # wide calls so dear that plain decoding wins
+    assert t.tokens_per_s == pytest.approx(100.0)
+    t = target("int4", 0.95, [10.0, 11.0])  # a 2-row call expects 1 + a tokens
+    assert t.tokens_per_s == pytest.approx((1 + a) * 1000 / 11.0)
+
+
+@pytest.mark.parametrize("cands,want", [
+    ([("int4", 0.95, [8.0]), ("w8a8", 0.94, [9.0])], "int4"),  # both faithful: the faster
+    ([("int4", 0.95, [9.0]), ("w8a8", 0.94, [8.0])], "w8a8"),
+    ([("int4", 0.95, [9.0]), ("w8a8", 0.90, [5.0])], "int4"),  # the faster one is below the floor
+    ([("int4", 0.91, [9.0]), ("w8a8", 0.92, [12.0])], "w8a8"),  # none faithful: the most faithful
+    ([("w8a8", 0.50, [12.0])], "w8a8"),  # one candidate: itself
+])
+def test_the_fastest_faithful_candidate_is_chosen(cands, want):
+    assert FIDELITY_FLOOR == 0.93
+    assert choose_target([target(*c) for c in cands]).opts.precision == want
+
+
+def test_options_refuse_unknown_choices():
+    with pytest.raises(ValueError, match="pad_row"):
+        ExportOptions(pad_row="maybe")
+    with pytest.raises(ValueError, match="precision"):
+        ExportOptions(precision="int2")
+    with pytest.raises(ValueError, match="kv_cache"):
+        ExportOptions(kv_cache="int4")
+    assert ExportOptions(precision="fp32").resolved_kv_cache == "float32"
+    assert ExportOptions(precision="int4").resolved_kv_cache == "int8"
+    assert ExportOptions(precision="fp16", kv_cache="int8").resolved_kv_cache == "float32"
+
+
+def test_the_host_signature_is_part_of_what_a_cached_export_is_compared_on(monkeypatch):
+    a = ExportOptions().recorded()
+    monkeypatch.setattr(pipeline, "host_signature", lambda: "another cpu")
+    b = ExportOptions().recorded()
+    assert a["host"] != b["host"] and a != b
+    assert "host" in ExportOptions(pad_row="on").recorded()  # the precision is still measured here
+    assert "host" in ExportOptions(precision="int4").recorded()  # and the pad row
+    assert "host" not in ExportOptions(pad_row="on", precision="int4").recorded()  # nothing decided by measuring
+
+
+@pytest.fixture(scope="module")
+def auto_export(tmp_path_factory, tiny_llama_dir):
+    from export.pipeline import export_model
+
+    out = tmp_path_factory.mktemp("auto") / "m"
+    m = export_model(tiny_llama_dir, out, tiny_export_options(precision="auto", kv_cache="auto", pad_row="auto"),
+                     progress=False)
+    return out, m
+
+
+def test_auto_export_records_its_choice_and_evidence(auto_export):
+    d, m = auto_export
+    ch = m.choice
+    assert ch["host"] == pipeline.host_signature()
+    assert [c["precision"] for c in ch["candidates"]] == list(pipeline.AUTO_PRECISIONS)
+    assert ch["precision"] == m.target.precision
+    for c in ch["candidates"]:
+        assert 0 <= c["top1_agreement"] <= 1 and c["expected_tokens_per_s"] > 0
+        assert [ctx for ctx, _ in c["latency_ms_by_s_at"]] == [128, MAX_LEN - pipeline.VERIFY_SIZES]
+    by = {c["precision"]: c for c in ch["candidates"]}
+    faithful = [c for c in ch["candidates"] if c["top1_agreement"] >= FIDELITY_FLOOR]
+    pool = faithful or ch["candidates"]
+    key = (lambda c: c["expected_tokens_per_s"]) if faithful else (lambda c: c["top1_agreement"])
+    assert by[ch["precision"]] is max(pool, key=key)
+    assert m.target.kv_dtype == ch["kv_cache"] == "int8"
+    assert m.source["options"]["precision"] == "auto"  # the request is recorded, the choice beside it
+    assert not any(Path(d, p).exists() for p in ("candidate-int4", "candidate-w8a8"))
+
+
+def test_the_pad_row_choice_agrees_with_what_the_graph_computes(auto_export, shared_kv, tiny_llama):
+    """Whether or not the export left the pad row out on this host, the graph it kept computes a lone row bit for
+    bit as wider calls do (the export's probe saw exactly that; without the row where it was needed, this fails)."""
+    from conftest import causal
+
+    d, m = auto_export
+    c = tiny_llama.config
+    prompt = np.random.default_rng(4).integers(0, VOCAB, 29)
+
+    def lone_equals_wide(path) -> bool:
+        s = shared_kv(path, c.layers, c.kv_heads, c.head_dim, MAX_LEN)
+        n = len(prompt)
+        s.run(prompt, np.arange(n), causal(n, 0), keep=1)
+        one = s.run([9], [n], causal(1, n)).copy()
+        return all(np.array_equal(one, s.run([9] + [4] * (w - 1), np.arange(n, n + w), causal(w, n))[:1])
+                   for w in (2, 3, 5, 8))
+
+    # with or without the row, the graph the export kept computes a lone row as wider calls do
+    assert lone_equals_wide(d / m.target.file)
+
+
+def test_auto_export_is_lossless_through_the_engine(auto_export):
+    import edge
+
+    d, m = auto_export
+    eng = edge.load(str(d))
+    prompt = "red green blue red green blue red green"
+    plain = eng.generate(prompt, max_tokens=24, drafter="none", raw=True).token_ids
+    for drafter in ("lookup", "hybrid", "model"):
+        assert eng.generate(prompt, max_tokens=24, drafter=drafter, raw=True).token_ids == plain, drafter
