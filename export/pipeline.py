@@ -14,6 +14,7 @@ import platform
 import shutil
 import stat
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -690,16 +691,21 @@ def _target_candidate(ck: Checkpoint, opts: ExportOptions, part: Path, max_len: 
     path = d / "model.onnx"
     gopts = opts.graph_options(max_len)
     kv_scales = None
-    if gopts.kv_cache == "int8":  # scales from the float-cache graph's own K/V
-        save_model(build_graph(ck, replace(gopts, kv_cache="float32", pad_query=False)), str(path))
-        kv_scales = kvquant.kv_scales(GraphRunner(str(path), c.layers, c.kv_heads, c.head_dim, opts.threads), calib)
-        _remove_graph(path)
-    pad = opts.pad_row != "off"
-    if opts.pad_row == "auto":  # without the row first: kept where a lone row computes what wider calls do
-        save_model(build_graph(ck, replace(gopts, pad_query=False), kv_scales=kv_scales), str(path))
-        pad = not _one_row_exact(path, c, gopts, max_len, opts.threads)
-        if pad:
-            _remove_graph(path)
+    # graphs built only to be measured live in a scratch directory beside the export, never inside it
+    with tempfile.TemporaryDirectory(prefix="edgespec-probe-") as scratch:
+        probe = Path(scratch) / "model.onnx"
+        if gopts.kv_cache == "int8":  # scales from the float-cache graph's own K/V
+            save_model(build_graph(ck, replace(gopts, kv_cache="float32", pad_query=False)), str(probe))
+            kv_scales = kvquant.kv_scales(GraphRunner(str(probe), c.layers, c.kv_heads, c.head_dim, opts.threads),
+                                          calib)
+            _remove_graph(probe)
+        pad = opts.pad_row != "off"
+        if opts.pad_row == "auto":  # without the row first: kept where a lone row computes what wider calls do
+            save_model(build_graph(ck, replace(gopts, pad_query=False), kv_scales=kv_scales), str(probe))
+            pad = not _one_row_exact(probe, c, gopts, max_len, opts.threads)
+            if not pad:
+                for f in (probe, probe.with_name(probe.name + ".data")):
+                    shutil.move(str(f), str(d / f.name))
     gopts = replace(gopts, pad_query=pad)
     if not path.exists():
         save_model(build_graph(ck, gopts, kv_scales=kv_scales), str(path))
@@ -723,7 +729,8 @@ def _one_row_exact(path: Path, c, gopts: GraphOptions, max_len: int, threads: in
 
     entry = GraphEntry(role="target", name="target", file=path.name, layers=c.layers, vocab=c.vocab,
                        precision=gopts.precision, w8a8_kernel=gopts.w8a8_kernel or "u8s8", max_len=max_len,
-                       kv_dtype=gopts.kv_cache, accuracy_level=gopts.accuracy_level)
+                       kv_dtype="float16" if gopts.precision == "fp16" else gopts.kv_cache,
+                       accuracy_level=gopts.accuracy_level)
     probe = Manifest(format_version=1, name="probe", arch=c.to_dict(), graphs=(entry,), files=(), tokenizer="",
                      chat_template=None, special_tokens={}, source={}, converter={})
     sess = GraphSession(str(path), probe, entry, capacity=min(max_len, 512), threads=threads)

@@ -201,9 +201,10 @@ def test_width_dependent_graph_decodes_plainly(gpt2, monkeypatch):
     assert not eng.target.chains_exact and eng.default_drafter == "none"
 
 
-@pytest.mark.parametrize("via,expected", [("optimum", "int4"), ("builder", "w8a8")])
+@pytest.mark.parametrize("via,expected", [("optimum", "int4"), ("builder", "auto")])
 def test_default_precision_follows_the_export_path(tmp_path, monkeypatch, via, expected):
-    """No --precision: the builder's default (w8a8) is not something optimum's path can build; it gets int4."""
+    """No --precision: the builder's default (auto: chosen by measuring int4 and w8a8 targets) is not something
+    optimum's path can build; it gets int4."""
     import export.cli as cli
 
     seen = {}
