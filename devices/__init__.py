@@ -57,7 +57,7 @@ class DeviceProfile:
     source: str  # the public spec the numbers were taken from
     provider_options: Mapping[str, Any] = field(default_factory=dict, hash=False)
     shape_buckets: tuple[int, ...] = ()  # rows per call the compiled graphs accept; () = dynamic shapes
-    prefill_chunk: int = 512  # rows per prefill call (a bucket on static-shape devices)
+    prefill_chunk: int = 256  # rows per prefill call (a bucket on static-shape devices; memory.footprint.PREFILL_CHUNK)
     cores: int | None = None
     app_memory_cap_mb: int | None = None  # a per-app limit below the device's memory (phones)
     notes: str = ""

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kernels.sampling import process_logits, sample_from
-from memory.footprint import RECYCLING_PAIR_SLOTS, recycling_id_bytes, recycling_pair_key_bytes
+from memory.footprint import PREFILL_CHUNK, RECYCLING_PAIR_SLOTS, recycling_id_bytes, recycling_pair_key_bytes
 
 
 _CHAIN_PARENTS = np.arange(256, dtype=np.int64)
@@ -154,7 +154,7 @@ class ModelDrafter:
 
     def __init__(self, session, id_map: np.ndarray, target_vocab: int, threshold: float = 0.0,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, rng=None, input_vocab: int | None = None,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = PREFILL_CHUNK):
         self.sess = session
         self.prefill_chunk = prefill_chunk  # rows per prefill call: the target's (what the memory plan counts)
         # a drafter from its own checkpoint may have fewer embedding rows than the target has logits (padding

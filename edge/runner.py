@@ -12,6 +12,7 @@ import numpy as np
 
 from kernels.postprocess import GREEDY_K, HEAD_INPUTS
 from kernels.sampling import top_k_ids
+from memory.footprint import PREFILL_CHUNK
 
 from .kv import KVCache, kv_numpy_dtype
 from .manifest import GraphEntry, Manifest, open_graph
@@ -300,7 +301,7 @@ class GraphSession:
             self.top_probs = self.top_probs[:1]
         return None if out is None else out[:1]
 
-    def prefill(self, tokens, chunk: int = 512) -> np.ndarray:
+    def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """Commit `tokens` in chunks (bounded activation memory); logits [V] of the last one."""
         tokens = list(tokens)
         last = None
@@ -467,7 +468,7 @@ class OptimumSession:
         self.top_ids = top_k_ids(rows, min(self.topk, self.vocab))
         return rows
 
-    def prefill(self, tokens, chunk: int = 512) -> np.ndarray:
+    def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         return GraphSession.prefill(self, tokens, chunk)
 
 

@@ -275,7 +275,7 @@ def test_embedding_residency_windows():
 
 
 def test_arena_and_bias_terms_by_hand():
-    # context 100 < the 512-row prefill chunk: the prompt is one 100-row call
+    # context 100 < the 256-row prefill chunk: the prompt is one 100-row call
     fp = predict_peak(M, Speculation(), 100)
     assert fp["target.arena"] == 80 * 100 * 576 + 8 * 100 * 101
     assert fp["runtime.bias"] == 100 * 101 * 4
@@ -287,7 +287,7 @@ def test_arena_and_bias_terms_by_hand():
     # GPU: c·R·vocab counts the logits rows a call keeps (a prefill chunk keeps 1)
     gpu = DEFAULT_CALIBRATIONS["gpu"]
     fp = predict_peak(M, Speculation("lookup", 3), 2048, gpu)
-    assert fp["target.arena"] == round(max(80 * 4 * 576 + 4 * 4 * 49152, 80 * 512 * 576 + 4 * 1 * 49152))
+    assert fp["target.arena"] == round(max(80 * 4 * 576 + 4 * 4 * 49152, 80 * 256 * 576 + 4 * 1 * 49152))
 
 
 def test_model_drafter_calls_by_hand():

@@ -155,9 +155,9 @@ def test_plain_decoding_breakdown_at_1024():
     assert fp["baseline"] == 85 * MB
     assert fp["target.kv"] == 46080 * (span + 1)  # + the pad row's scratch slot (edge.kv.KVCache)
     assert fp["target.logits"] == 1 * 49152 * 4
-    # prefill chunk of 512 rows dominates: b·S·hidden + e·S·T
-    assert fp["target.arena"] == 80 * 512 * 576 + 8 * 512 * span == 27_791_360
-    assert fp["runtime.bias"] == 512 * span * 4
+    # the prefill chunk of 256 rows (memory.footprint.PREFILL_CHUNK) dominates: b·S·hidden + e·S·T
+    assert fp["target.arena"] == 80 * 256 * 576 + 8 * 256 * span == 13_895_680
+    assert fp["runtime.bias"] == 256 * span * 4
     assert fp["target.session"] == round(16.5 * MB) + (span + 256) * 4 + 256 * 256 * 4
     assert fp["target.weights"] == 117_559_296 + touched(1024) + 2_097_152 + 140_544 + 17
     assert fp.total_bytes == sum(b for _, b in fp.parts)
