@@ -17,7 +17,6 @@ loaded in "ready", and per request the peak since the request began (Linux reset
 """
 from __future__ import annotations  # the peer's Python may be older than ours
 
-import argparse
 import json
 import os
 import sys
@@ -25,10 +24,12 @@ import time
 
 if __package__:  # imported as edge.peer_genai (the tests)
     from .memprobe import peak_rss_bytes, reset_peak_rss
+    from .peer_protocol import open_protocol, worker_args
 else:  # run as a script in the peer's own Python, which has no edgespec
     _HERE = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, _HERE)
     from memprobe import peak_rss_bytes, reset_peak_rss
+    from peer_protocol import open_protocol, worker_args
 
     # then edge/ leaves the path: its profile.py, text.py, ... would shadow modules the runtime imports
     sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != _HERE]
@@ -73,17 +74,8 @@ def generate(og, model, ids: list[int], max_new: int, spec: dict | None, eos: se
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model_dir")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--context", type=int, default=0, help="max_length: the KV cache it allocates (0: per prompt)")
-    a = ap.parse_args()
-    proto = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout; whatever a library prints goes to stderr
-    os.dup2(2, 1)
-
-    def say(msg: dict) -> None:
-        proto.write(json.dumps(msg) + "\n")
-        proto.flush()
+    a = worker_args(__doc__, "model_dir", "max_length: the KV cache it allocates (0: per prompt)")
+    say = open_protocol()
 
     try:
         import onnxruntime_genai as og

@@ -13,13 +13,17 @@ token left out) or {"error": text}. Greedy is the argmax of every step's fp32 lo
 stopped at the model's end tokens or `stop`."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
-if not __package__:  # run as a script: edge/ leaves the path, or its profile.py, text.py, ... would shadow modules
-    _HERE = os.path.dirname(os.path.abspath(__file__))  # torch and transformers import
+if __package__:  # imported as edge.peer_hf (the tests)
+    from .peer_protocol import open_protocol, worker_args
+else:  # run as a script: then edge/ leaves the path, or its profile.py, text.py, ... would shadow modules torch and
+    _HERE = os.path.dirname(os.path.abspath(__file__))  # transformers import
+    sys.path.insert(0, _HERE)
+    from peer_protocol import open_protocol, worker_args
+
     sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != _HERE]
 
 
@@ -45,17 +49,8 @@ def greedy(torch, model, ids: list[int], max_new: int, stop: set[int]) -> list[i
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("hf_dir")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--context", type=int, default=0, help="ignored: the reference is not measured")
-    a = ap.parse_args()
-    proto = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout; whatever a library prints goes to stderr
-    os.dup2(2, 1)
-
-    def say(msg: dict) -> None:
-        proto.write(json.dumps(msg) + "\n")
-        proto.flush()
+    a = worker_args(__doc__, "hf_dir", "ignored: the reference is not measured")
+    say = open_protocol()
 
     try:
         import torch

@@ -16,7 +16,6 @@ request starts from an empty cache (no prefix of an earlier prompt reused). `pea
 elsewhere it stays the process's peak)."""
 from __future__ import annotations  # the peer's Python may be older than ours
 
-import argparse
 import json
 import os
 import sys
@@ -24,10 +23,12 @@ import time
 
 if __package__:  # imported as edge.peer_llama (the tests)
     from .memprobe import peak_rss_bytes, reset_peak_rss
+    from .peer_protocol import open_protocol, worker_args
 else:  # run as a script in the peer's own Python, which has no edgespec
     _HERE = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, _HERE)
     from memprobe import peak_rss_bytes, reset_peak_rss
+    from peer_protocol import open_protocol, worker_args
 
     # then edge/ leaves the path: its profile.py, text.py, ... would shadow modules the runtime imports
     sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != _HERE]
@@ -58,17 +59,8 @@ def generate(llm, ids: list[int], max_new: int, stop: set[int]) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--context", type=int, default=4096, help="n_ctx: the KV cache llama.cpp allocates")
-    a = ap.parse_args()
-    proto = os.fdopen(os.dup(1), "w")  # the protocol's own copy of stdout; whatever a library prints goes to stderr
-    os.dup2(2, 1)
-
-    def say(msg: dict) -> None:
-        proto.write(json.dumps(msg) + "\n")
-        proto.flush()
+    a = worker_args(__doc__, "model", "n_ctx: the KV cache llama.cpp allocates", 4096)
+    say = open_protocol()
 
     try:
         import llama_cpp
