@@ -14,9 +14,10 @@ from .engine import (Chat, Chunk, ContextFull, Engine, EngineBusy, EngineError, 
                      Stats)
 from .files import unwritable_dir
 from .manifest import ModelDirError
+from .text import ChatTemplateError
 
 __all__ = ["load", "Engine", "Chat", "Chunk", "GenerationParams", "GenerationResult", "Stats", "EngineError",
-           "EngineBusy", "ContextFull", "ModelDirError", "home", "default_model_dir"]
+           "EngineBusy", "ContextFull", "ModelDirError", "ChatTemplateError", "home", "default_model_dir"]
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
