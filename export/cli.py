@@ -151,9 +151,21 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def choice_line(choice: dict) -> str | None:
+    """The export's per-host decision in one line: what was kept, over what, and why."""
+    if not choice:
+        return None
+    kept = choice["precision"]
+    parts = [f"{c['precision']} top-1 {c['top1_agreement']}, {c['expected_tokens_per_s']} tok/s expected"
+             + ("" if c["top1_agreement"] >= choice["fidelity_floor"] else " (below the floor)")
+             for c in choice["candidates"]]
+    return (f"chosen on this machine: {kept}, KV cache {choice['kv_cache']}, pad row "
+            f"{'kept' if choice['pad_row'] else 'not needed'} ({'; '.join(parts)}; floor {choice['fidelity_floor']})")
+
+
 def _summary(m) -> dict:
     return {
-        "name": m.name, "parity": m.parity,
+        "name": m.name, "parity": m.parity, "choice": m.choice,
         "graphs": [{"name": g.name, "layers": g.layers, "vocab": g.vocab, "precision": g.precision,
                     **({"w8a8_kernel": g.w8a8_kernel} if g.precision == "w8a8" else {}),
                     "MB": round(g.weight_bytes / 1e6, 1), **g.stats} for g in m.graphs],
@@ -228,6 +240,9 @@ def main(argv=None) -> int:
         else:
             print(f"parity vs fp32 reference: max |Δlogit| {p.get('max_abs_diff')}, top-1 agreement "
                   f"{p.get('top1_agreement')} over {p.get('positions')} positions")
+        line = choice_line(m.choice)
+        if line:
+            print(line)
         for g in s["graphs"]:
             extra = ", ".join(f"{k}={v}" for k, v in g.items() if k not in ("name",))
             print(f"  {g['name']}: {extra}")

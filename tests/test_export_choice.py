@@ -122,3 +122,16 @@ def test_auto_export_is_lossless_through_the_engine(auto_export):
     plain = eng.generate(prompt, max_tokens=24, drafter="none", raw=True).token_ids
     for drafter in ("lookup", "hybrid", "model"):
         assert eng.generate(prompt, max_tokens=24, drafter=drafter, raw=True).token_ids == plain, drafter
+
+
+def test_the_cli_says_what_it_chose_and_why():
+    from export.cli import choice_line
+
+    choice = {"precision": "int4", "kv_cache": "int8", "pad_row": False, "fidelity_floor": 0.93,
+              "candidates": [{"precision": "int4", "top1_agreement": 0.957, "expected_tokens_per_s": 142.8},
+                             {"precision": "w8a8", "top1_agreement": 0.879, "expected_tokens_per_s": 145.0}]}
+    line = choice_line(choice)
+    assert line.startswith("chosen on this machine: int4, KV cache int8, pad row not needed")
+    assert "w8a8 top-1 0.879, 145.0 tok/s expected (below the floor)" in line
+    assert "int4 top-1 0.957, 142.8 tok/s expected;" in line
+    assert choice_line({}) is None  # exports made before the choice existed
