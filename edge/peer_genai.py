@@ -24,12 +24,12 @@ import time
 
 if __package__:  # imported as edge.peer_genai (the tests)
     from .memprobe import peak_rss_bytes, reset_peak_rss
-    from .peer_protocol import open_protocol, worker_args
+    from .peer_protocol import open_protocol, serve, worker_args
 else:  # run as a script in the peer's own Python, which has no edgespec
     _HERE = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, _HERE)
     from memprobe import peak_rss_bytes, reset_peak_rss
-    from peer_protocol import open_protocol, worker_args
+    from peer_protocol import open_protocol, serve, worker_args
 
     # then edge/ leaves the path: its profile.py, text.py, ... would shadow modules the runtime imports
     sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != _HERE]
@@ -93,21 +93,9 @@ def main() -> int:
         return 1
     eos = eos_ids(a.model_dir)
     say({"ready": getattr(og, "__version__", "?"), "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1)})
-    try:
-        for line in sys.stdin:
-            req = json.loads(line)
-            try:
-                reset_peak_rss()
-                out = generate(og, model, req["ids"], req["max_new"], NGRAM if req["mode"] == "ngram" else None, eos,
-                               a.context)
-                out["peak_rss_mb"] = round(peak_rss_bytes() / 2**20, 1)
-                say(out)
-            except Exception as e:  # noqa: BLE001 - reported per request; edge-bench stops with it
-                say({"error": f"onnxruntime-genai failed: {e}"})
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; edge-bench summarizes what ran
-        pass
-    return 0
-
+    return serve(say, lambda req: generate(og, model, req["ids"], req["max_new"],
+                                           NGRAM if req["mode"] == "ngram" else None, eos, a.context),
+                 "onnxruntime-genai", (reset_peak_rss, peak_rss_bytes))
 
 if __name__ == "__main__":
     sys.exit(main())

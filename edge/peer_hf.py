@@ -13,16 +13,15 @@ token left out) or {"error": text}. Greedy is the argmax of every step's fp32 lo
 stopped at the model's end tokens or `stop`."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 if __package__:  # imported as edge.peer_hf (the tests)
-    from .peer_protocol import open_protocol, worker_args
+    from .peer_protocol import open_protocol, serve, worker_args
 else:  # run as a script: then edge/ leaves the path, or its profile.py, text.py, ... would shadow modules torch and
     _HERE = os.path.dirname(os.path.abspath(__file__))  # transformers import
     sys.path.insert(0, _HERE)
-    from peer_protocol import open_protocol, worker_args
+    from peer_protocol import open_protocol, serve, worker_args
 
     sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != _HERE]
 
@@ -71,17 +70,8 @@ def main() -> int:
         return 1
     eos = eos_ids(model.config) | eos_ids(getattr(model, "generation_config", None))
     say({"ready": f"transformers {transformers.__version__}, torch {torch.__version__}"})
-    try:
-        for line in sys.stdin:
-            req = json.loads(line)
-            try:
-                say({"tokens": greedy(torch, model, req["ids"], req["max_new"], eos | set(req.get("stop") or ()))})
-            except Exception as e:  # noqa: BLE001 - reported per request; edge-bench stops with it
-                say({"error": f"transformers failed: {e}"})
-    except KeyboardInterrupt:
-        pass
-    return 0
-
+    return serve(say, lambda req: {"tokens": greedy(torch, model, req["ids"], req["max_new"],
+                                                    eos | set(req.get("stop") or ()))}, "transformers")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,19 +16,18 @@ request starts from an empty cache (no prefix of an earlier prompt reused). `pea
 elsewhere it stays the process's peak)."""
 from __future__ import annotations  # the peer's Python may be older than ours
 
-import json
 import os
 import sys
 import time
 
 if __package__:  # imported as edge.peer_llama (the tests)
     from .memprobe import peak_rss_bytes, reset_peak_rss
-    from .peer_protocol import open_protocol, worker_args
+    from .peer_protocol import open_protocol, serve, worker_args
 else:  # run as a script in the peer's own Python, which has no edgespec
     _HERE = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, _HERE)
     from memprobe import peak_rss_bytes, reset_peak_rss
-    from peer_protocol import open_protocol, worker_args
+    from peer_protocol import open_protocol, serve, worker_args
 
     # then edge/ leaves the path: its profile.py, text.py, ... would shadow modules the runtime imports
     sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != _HERE]
@@ -76,20 +75,8 @@ def main() -> int:
         say({"error": f"llama.cpp cannot load {a.model}: {e}"})
         return 1
     say({"ready": getattr(llama_cpp, "__version__", "?"), "peak_rss_mb": round(peak_rss_bytes() / 2**20, 1)})
-    try:
-        for line in sys.stdin:
-            req = json.loads(line)
-            try:
-                reset_peak_rss()
-                out = generate(llm, req["ids"], req["max_new"], eos | set(req.get("stop") or ()))
-                out["peak_rss_mb"] = round(peak_rss_bytes() / 2**20, 1)
-                say(out)
-            except Exception as e:  # noqa: BLE001 - reported per request; edge-bench stops with it
-                say({"error": f"llama.cpp failed: {e}"})
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; edge-bench summarizes what ran
-        pass
-    return 0
-
+    return serve(say, lambda req: generate(llm, req["ids"], req["max_new"], eos | set(req.get("stop") or ())),
+                 "llama.cpp", (reset_peak_rss, peak_rss_bytes))
 
 if __name__ == "__main__":
     sys.exit(main())

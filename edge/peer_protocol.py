@@ -6,6 +6,7 @@ from __future__ import annotations  # the peer's Python may be older than ours
 import argparse
 import json
 import os
+import sys
 
 
 def worker_args(doc: str, source: str, context_help: str, context: int = 0) -> argparse.Namespace:
@@ -27,3 +28,25 @@ def open_protocol():
         proto.flush()
 
     return say
+
+
+def serve(say, answer, who: str, peak=None) -> int:
+    """Answer every request line on stdin with `answer(request) -> dict` until stdin closes. A failed request is
+    one {"error": "WHO failed: ..."} line (edge-bench stops with it); Ctrl-C, which reaches the whole process group,
+    ends quietly (edge-bench summarizes what ran). `peak` = (reset_peak_rss, peak_rss_bytes): each answer carries
+    this process's peak RSS since its request began."""
+    try:
+        for line in sys.stdin:
+            req = json.loads(line)
+            try:
+                if peak:
+                    peak[0]()
+                out = answer(req)
+                if peak:
+                    out["peak_rss_mb"] = round(peak[1]() / 2**20, 1)
+                say(out)
+            except Exception as e:  # noqa: BLE001 - reported per request
+                say({"error": f"{who} failed: {e}"})
+    except KeyboardInterrupt:
+        pass
+    return 0
