@@ -5,6 +5,8 @@ comparisons mean something; norms and biases are random too, so a dropped norm w
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 from pathlib import Path
@@ -238,3 +240,38 @@ def logits_alone_and_together(session, prompt_ids, seq) -> tuple[np.ndarray, np.
     together = s.forward(seq).copy()
     s.cache.trim(s.cache.length)
     return np.concatenate(alone), together
+
+
+@contextlib.contextmanager
+def serving(engine, limits=None, **kw):
+    """edge.serve.create_app(engine, **kw) behind the server's own uvicorn configuration (its connection guard) on a
+    free loopback port → (port, app). Logging is left to the root logger (caplog sees uvicorn's lines too). An engine
+    that holds its answers (a `go` semaphore) is let go at the end, so the server can shut down."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from edge.serve import ConnectionLimits, create_app, uvicorn_config
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    app = create_app(engine, **kw)
+    app.state.connections = limits = limits or ConnectionLimits()
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, limits, log_config=None, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert th.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield sock.getsockname()[1], app
+    finally:
+        server.should_exit = True
+        for _ in range(100 if hasattr(engine, "go") else 0):
+            engine.go.release()
+        th.join(20)
+        sock.close()

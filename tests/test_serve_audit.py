@@ -15,10 +15,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import serving
 from edge import serve_load
 from edge.engine import MAX_DRAFT_LEN, Chunk, EngineError, Stats
 from edge.manifest import ModelDirError
-from edge.serve import MAX_BODY, ApiError, ChatRequest, Job, Worker, create_app, parse_chat_request
+from edge.serve import MAX_BODY, ApiError, ChatRequest, Job, Worker, parse_chat_request
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -219,27 +220,9 @@ def test_engine_errors_are_answered_and_counted(fail, status, code, param, outco
 
 @contextlib.contextmanager
 def _serving(engine, **kw):
-    """create_app(engine, **kw) served by uvicorn on a free loopback port → (port, worker)."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    app = create_app(engine, **kw)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="error", timeout_graceful_shutdown=2))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert th.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield sock.getsockname()[1], app.state.worker
-    finally:
-        server.should_exit = True
-        for _ in range(100):
-            engine.go.release()
-        th.join(20)
-        sock.close()
+    """The server on a free loopback port (conftest.serving) → (port, worker)."""
+    with serving(engine, **kw) as (port, app):
+        yield port, app.state.worker
 
 
 def _send(port, body, method="POST", path="/v1/chat/completions") -> http.client.HTTPConnection:

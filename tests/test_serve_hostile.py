@@ -24,11 +24,12 @@ from types import SimpleNamespace
 import pytest
 
 import edge
+from conftest import serving
 from edge.engine import Chunk, Stats
 from edge import serve
 from edge.serve import (ACCEPT_ERROR, CUT_SLACK, MAX_BODY, PIECE_CHARS, ApiError, ChatRequest, ConnectionLimits, Job,
-                        PromptLimits, RateLimitFilter, Worker, _normalizer_shrink, create_app, host_allowed,
-                        parse_chat_request, prompt_limits, refuse_if_surely_too_long, tokens_at_least, uvicorn_config)
+                        PromptLimits, RateLimitFilter, Worker, _normalizer_shrink, host_allowed,
+                        parse_chat_request, prompt_limits, refuse_if_surely_too_long, tokens_at_least)
 
 MSGS = [{"role": "user", "content": "hi"}]
 STATS = Stats(prompt_tokens=3, reused_tokens=0, generated=2, steps=1, drafted=0, accepted=0, prefill_s=0.001,
@@ -56,34 +57,6 @@ class StandIn:
             if self.hold:
                 assert self.go.acquire(timeout=30), "the test never let the generation go on"
             yield Chunk(piece, [i], 0, "stop" if i == 1 else None)
-
-
-@contextlib.contextmanager
-def _serving(engine, limits: ConnectionLimits | None = None, **kw):
-    """create_app(engine, **kw) behind the guarded uvicorn protocol on a free loopback port → (port, app).
-    Logging is left to the root logger (caplog sees uvicorn's lines too)."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    app = create_app(engine, **kw)
-    app.state.connections = limits = limits or ConnectionLimits()
-    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", 0, limits, log_config=None, log_level="warning",
-                                           timeout_graceful_shutdown=2))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert th.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield sock.getsockname()[1], app
-    finally:
-        server.should_exit = True
-        for _ in range(100 if hasattr(engine, "go") else 0):
-            engine.go.release()
-        th.join(20)
-        sock.close()
 
 
 def _call(port, method="GET", path="/health", body=None, headers=None, timeout=30):
@@ -121,7 +94,7 @@ def _raw(port) -> socket.socket:
 # ------------------------------------------------------------------------------ idle and slow connections
 
 def test_a_connection_that_never_sends_a_request_is_closed():
-    with _serving(StandIn(), ConnectionLimits(header_timeout=0.5)) as (port, _):
+    with serving(StandIn(), ConnectionLimits(header_timeout=0.5)) as (port, _):
         with _raw(port) as idle:
             assert _closed_by_peer(idle, 15), "an idle connection was kept open past --header-timeout"
         assert _health(port)["connections"]["timed_out"] >= 1
@@ -129,7 +102,7 @@ def test_a_connection_that_never_sends_a_request_is_closed():
 
 def test_headers_sent_a_byte_at_a_time_are_cut_off():
     """Slowloris: the deadline is for the whole head, not renewed by each byte."""
-    with _serving(StandIn(), ConnectionLimits(header_timeout=0.5)) as (port, _):
+    with serving(StandIn(), ConnectionLimits(header_timeout=0.5)) as (port, _):
         with _raw(port) as slow:
             slow.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             closed = False
@@ -146,7 +119,7 @@ def test_headers_sent_a_byte_at_a_time_are_cut_off():
 
 
 def test_after_an_answer_the_next_head_has_the_same_deadline():
-    with _serving(StandIn(), ConnectionLimits(header_timeout=0.5)) as (port, _):
+    with serving(StandIn(), ConnectionLimits(header_timeout=0.5)) as (port, _):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         try:
             conn.request("GET", "/health")
@@ -160,7 +133,7 @@ def test_after_an_answer_the_next_head_has_the_same_deadline():
 
 def test_a_body_that_never_arrives_is_a_408():
     engine = StandIn()
-    with _serving(engine, body_timeout=0.5) as (port, app):
+    with serving(engine, body_timeout=0.5) as (port, app):
         with _raw(port) as s:
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 1000\r\n\r\n{\"messages\": [")
@@ -180,7 +153,7 @@ def test_over_the_cap_the_oldest_idle_connection_makes_room():
     requests, a new one is answered 503 and closed."""
     engine = StandIn(hold=True)
     limits = ConnectionLimits(max_connections=4)
-    with _serving(engine, limits, max_queue=8) as (port, _):
+    with serving(engine, limits, max_queue=8) as (port, _):
         idle = [_raw(port) for _ in range(4)]
         try:
             status, h = _call(port)  # the fifth
@@ -389,7 +362,7 @@ def test_more_messages_than_the_context_are_refused_before_tokenizing():
     """Each message takes a token at least, so a list as long as the context never fits: refused by count, before
     the engine tokenizes anything, and counted as an invalid request."""
     engine = StandIn(context=1000)
-    with _serving(engine) as (port, _):
+    with serving(engine) as (port, _):
         status, body = _call(port, "POST", "/v1/chat/completions",
                              {"messages": [{"role": "user", "content": ""}] * 1000})
         h = _health(port)
@@ -512,7 +485,7 @@ def test_a_long_prompt_is_never_tokenized_whole(tiny_dir):
     engine.encode = recording
     r = random.Random(0)
     text = "".join(r.choice("abcdefghijklmnopqrstuvwxyz0123456789 .,;") for _ in range(300_000))
-    with _serving(engine) as (port, _):
+    with serving(engine) as (port, _):
         status, body = _call(port, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})
     assert status == 400 and body["error"]["code"] == "context_length_exceeded"
     assert seen and max(seen) <= PIECE_CHARS, max(seen)
@@ -611,7 +584,7 @@ def test_host_policy(host, allowed, bound, ok):
 
 def test_requests_for_other_host_names_are_refused_before_any_work():
     engine = StandIn()
-    with _serving(engine, allow_hosts=("chat.example.org",)) as (port, _):
+    with serving(engine, allow_hosts=("chat.example.org",)) as (port, _):
         status, body = _call(port, "POST", "/v1/chat/completions", {"messages": MSGS},
                              {"Host": "rebound.example:8080"})
         assert status == 403 and body["error"]["code"] == "host_not_allowed"
@@ -674,7 +647,7 @@ def test_hostile_values_in_every_field_are_refused_by_name_never_a_crash():
 
 def test_a_client_that_leaves_mid_body_logs_at_most_one_short_line(caplog):
     caplog.set_level(logging.INFO)
-    with _serving(StandIn()) as (port, _):
+    with serving(StandIn()) as (port, _):
         with _raw(port) as s:
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 1000\r\n\r\n{\"messages\": [")
@@ -715,7 +688,7 @@ def test_only_a_full_queue_counts_as_rejected():
     """/health: a too-long prompt (refused once queued), malformed JSON and a too-large body are invalid requests;
     rejected is the 503 of a full queue."""
     engine = StandIn(context=4)  # two messages encode to 5 tokens: too long once tokenized
-    with _serving(engine, max_queue=0, max_body=1000) as (port, _):
+    with serving(engine, max_queue=0, max_body=1000) as (port, _):
         status, body = _call(port, "POST", "/v1/chat/completions", {"messages": MSGS * 2})
         assert status == 400 and body["error"]["code"] == "context_length_exceeded"
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
