@@ -17,9 +17,21 @@ from .manifest import ModelDirError
 from .text import ChatTemplateError
 
 __all__ = ["load", "Engine", "Chat", "Chunk", "GenerationParams", "GenerationResult", "Stats", "EngineError",
-           "EngineBusy", "ContextFull", "ModelDirError", "ChatTemplateError", "home", "default_model_dir"]
+           "EngineBusy", "ContextFull", "ModelDirError", "ChatTemplateError", "home", "default_model_dir", "__version__"]
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("edgespec")
+    except Exception:  # running from a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 
 def home() -> Path:
@@ -58,7 +70,7 @@ def ensure_default_model(progress: bool = True) -> Path:
     return d
 
 
-def load(model_dir: str | os.PathLike | None = None, drafter: str = "auto", device: str | None = None,
+def load(model_dir: str | os.PathLike | None = None, *, drafter: str = "auto", device: str | None = None,
          budget_mb: float | None = None, threads: int = 2, context: int | None = None,
          progress: bool = True, simulate: bool = False, calibration: str | os.PathLike | None = None,
          verify: str = "fast") -> Engine:

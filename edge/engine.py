@@ -37,6 +37,7 @@ from .text import StreamDecoder, TextCodec
 DRAFTERS = ("auto", "hybrid", "recycling", "model", "lookup", "none")
 DEFAULT_CONTEXT = 4096  # tokens, when neither the caller nor a smaller export says otherwise
 MAX_DRAFT_LEN = 64  # draft tokens per call a request may ask for (draft_len)
+DEFAULT_MAX_TOKENS = 512  # answer length when a request sets none: the API, edge-chat and edge-serve alike
 # a drafter the adaptive length switched off is still tried with PROBE_K tokens every PROBE_EVERY steps, so its
 # acceptance estimate can recover when the text changes (a 3-row call costs ~1.15x a padded 1-token call here)
 PROBE_EVERY, PROBE_K = 8, 2
@@ -116,7 +117,7 @@ def normalize_messages(msgs) -> list[dict]:
 
 @dataclass(frozen=True)
 class GenerationParams:
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0

@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from edge.cli import non_negative_int, positive_int
+from edge.args import non_negative_int, positive_int
 from edge.manifest import ModelDirError, load_manifest
 
 from .checkpoint import CheckpointError, default_gguf_path

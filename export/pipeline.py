@@ -27,6 +27,7 @@ from edge.text import TextCodec
 
 from . import calibration, distill, kvquant, reference, smooth
 from .checkpoint import Checkpoint, load_checkpoint
+from .provenance import VERIFY_SIZES, converter_versions, source_digest
 from .evaluate import GraphRunner, parity, rank_vocabulary
 from .graph import GRAPH_VERSION, KV_CACHES, PRECISIONS, GraphOptions, build_graph, host_w8a8_kernel, save_model
 from .tokenizer import write_tokenizer
@@ -43,7 +44,6 @@ PAD_ROWS = ("auto", "on", "off")
 # within noise). Even this one stays below plain decoding for chains (≈ 0.96×): the engine's auto mode prefers
 # lookup/recycling drafts, and the drafter is shipped for `--drafter model` and tree experiments.
 DEFAULT_DRAFTER = (2, 2048)
-VERIFY_SIZES = 8  # the target's one-call latency is recorded for S = 1..8 (chain verification costs)
 # ... at 128 cached tokens and again at this many (each row reads the whole cache: the planner interpolates between
 # the two and extends beyond at their slope, so a long chat is not priced like a short one without edge-profile)
 VERIFY_LONG_CONTEXT = 1024
@@ -165,31 +165,6 @@ class _Steps:
             if failed:
                 self.bar.leave = False  # an error message should stand alone, not under a half bar
             self.bar.close()
-
-
-def _versions() -> dict:
-    out = {"python": platform.python_version()}
-    for mod in ("edgespec", "onnx", "onnxruntime", "gguf", "transformers", "numpy"):
-        try:
-            from importlib.metadata import version
-
-            out[mod] = version(mod)
-        except Exception:
-            pass
-    return out
-
-
-def source_digest(path: str | os.PathLike) -> str:
-    p = Path(path)
-    if p.is_file():
-        return sha256_file(p)
-    import hashlib
-
-    h = hashlib.sha256()
-    for f in sorted(p.glob("*.safetensors")) + [p / "config.json"]:
-        h.update(f.name.encode())
-        h.update(sha256_file(f).encode())
-    return h.hexdigest()
 
 
 def _generated(prompt_len: int, text_len: int) -> np.ndarray:
@@ -602,7 +577,7 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
         source={"path": str(Path(ck.source).resolve()), "format": ck.source_format,
                 "sha256": source_digest(ck.source), "options": requested.recorded(),
                 "graph_version": GRAPH_VERSION},
-        converter=_versions(),
+        converter=converter_versions(),
         parity=report,
         choice=choice,
     )
@@ -752,7 +727,7 @@ def _time_contexts(m: Manifest, part: Path, past: int, threads: int, reps: int =
     call's outputs: one row over 1,024 tokens measured 27.2 ms that way against 22.4 ms the engine's way (medians
     of 4 alternating rounds on the 2-core dev VM), 16.2 against 12.7 over 128. The target's session also records
     its min_call probe in the parity report."""
-    from edge.profile import call_latency
+    from edge.measure import call_latency
     from edge.runner import open_session
 
     long_past = min(VERIFY_LONG_CONTEXT, m.target.max_len - VERIFY_SIZES)

@@ -25,6 +25,7 @@ from edge.text import TextCodec
 from . import calibration
 from .checkpoint import CheckpointError, read_config
 from .evaluate import parity
+from .provenance import VERIFY_SIZES, converter_versions, source_digest
 from .tokenizer import hf_tokenizer_files
 
 OPTIMUM_PRECISIONS = ("fp32", "int8", "int4")
@@ -154,10 +155,8 @@ def _source_logits(src: Path, prompts: list[list[int]]) -> list[np.ndarray]:
 
 def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
     """Writes the export into `part` (export.pipeline.export_model swaps it into place when complete)."""
-    from edge.profile import call_latency
+    from edge.measure import call_latency
     from edge.runner import OptimumSession
-
-    from .pipeline import VERIFY_SIZES, _versions, source_digest
 
     src = Path(source)
     if opts.precision == "auto":  # nothing to choose between here: ORT's weight-only quantizer at 4 bits
@@ -263,7 +262,7 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
         special_tokens={"bos": tf.bos, "eos": list(tf.eos), "pad": tf.pad},
         source={"path": str(src.resolve()), "format": "hf", "sha256": source_digest(src), "via": "optimum",
                 "options": {**asdict(opts), "drafters": []}},
-        converter={**_versions(), "optimum-onnx": version("optimum-onnx"), "torch": version("torch")},
+        converter={**converter_versions(), "optimum-onnx": version("optimum-onnx"), "torch": version("torch")},
         parity=report,
     )
     m.write(part)

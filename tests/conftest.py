@@ -244,7 +244,7 @@ def logits_alone_and_together(session, prompt_ids, seq) -> tuple[np.ndarray, np.
 
 @contextlib.contextmanager
 def serving(engine, limits=None, **kw):
-    """edge.serve.create_app(engine, **kw) behind the server's own uvicorn configuration (its connection guard) on a
+    """edge.server.app.create_app(engine, **kw) behind the server's own uvicorn configuration (its connection guard) on a
     free loopback port → (port, app). Logging is left to the root logger (caplog sees uvicorn's lines too). An engine
     that holds its answers (a `go` semaphore) is let go at the end, so the server can shut down."""
     import socket
@@ -253,7 +253,7 @@ def serving(engine, limits=None, **kw):
 
     import uvicorn
 
-    from edge.serve import ConnectionLimits, create_app, uvicorn_config
+    from edge.server.app import ConnectionLimits, create_app, uvicorn_config
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

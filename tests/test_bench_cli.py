@@ -1,9 +1,9 @@
-"""edge-bench's refusals and interruptions, run in-process on the tiny exported model (edge.bench.main)."""
+"""edge-bench's refusals and interruptions, run in-process on the tiny exported model (edge.tools.bench.main)."""
 import json
 
 import pytest
 
-from edge import bench
+from edge.tools import bench
 
 
 @pytest.fixture(scope="module")
@@ -22,11 +22,11 @@ TWO = [{"id": "x0", "category": "qa", "turns": ["the quick brown fox"]},
 
 
 def _main(args, capsys):
-    """edge.bench.main's exit code and stderr; a Ctrl-C that escapes it fails the test instead of ending pytest."""
+    """edge.tools.bench.main's exit code and stderr; a Ctrl-C that escapes it fails the test instead of ending pytest."""
     try:
         rc = bench.main(args)
     except KeyboardInterrupt:
-        pytest.fail("KeyboardInterrupt escaped edge.bench.main (a traceback for the user)")
+        pytest.fail("KeyboardInterrupt escaped edge.tools.bench.main (a traceback for the user)")
     return rc, capsys.readouterr().err
 
 
@@ -208,7 +208,7 @@ def test_each_run_records_its_own_peak_rss_and_one_token_answers_have_no_speed(m
 
     import numpy as np
 
-    from edge.memprobe import peak_rss_bytes
+    from edge.measure import peak_rss_bytes
 
     spike = np.ones(300 << 17)  # 300 MB touched and freed: the process's peak, not any run's
     del spike

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from edge import bench, peer, peer_genai, peer_llama
+from edge.tools import bench, peer, peer_genai, peer_llama
 
 HERE = Path(__file__).parent
 FAKE_GENAI, FAKE_LLAMA = str(HERE / "fake_genai"), str(HERE / "fake_llama")
@@ -300,7 +300,7 @@ def _prompts(tmp_path):
 
 @pytest.fixture
 def fakes(monkeypatch, tmp_path):
-    """Peer workers started by edge.bench.main find the fake runtimes; the fp32 cache lives in tmp_path."""
+    """Peer workers started by edge.tools.bench.main find the fake runtimes; the fp32 cache lives in tmp_path."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([FAKE_GENAI, FAKE_LLAMA]))
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
     for v in ("FAKE_GENAI_FAIL_AFTER", "FAKE_GENAI_EOS_AFTER", "FAKE_LLAMA_EOS_AFTER", "FAKE_LLAMA_FAIL_AFTER"):

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from edge import bench, profile
+from edge.tools import bench, profile
 
 
 # ------------------------------------------------------------------------------------------- edge-bench: pure

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.bench import loops, versus_peer
+from edge.tools.bench import loops, versus_peer
 
 # a stand-in for onnxruntime_genai's API: the peer worker imports it through PYTHONPATH, the tests read its answers
 FAKE_GENAI = str(Path(__file__).with_name("fake_genai"))
@@ -27,7 +27,7 @@ def model(exported_llama):
 
 
 def test_chat_prompt_json(model):
-    r = _run(["edge.cli", "--model", model, "--prompt", "the quick brown fox", "--json", "--max-tokens", "12",
+    r = _run(["edge.chat", "--model", model, "--prompt", "the quick brown fox", "--json", "--max-tokens", "12",
               "--drafter", "lookup", "--context", "256"])
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
@@ -39,7 +39,7 @@ def test_chat_prompt_json(model):
 
 
 def test_chat_repl_commands(model):
-    r = _run(["edge.cli", "--model", model, "--max-tokens", "8", "--context", "256"],
+    r = _run(["edge.chat", "--model", model, "--max-tokens", "8", "--context", "256"],
              stdin="hello there\n/stats\n/reset\nagain\n/quit\n")
     assert r.returncode == 0, r.stderr
     assert "conversation cleared" in r.stderr and '"generated"' in r.stderr
@@ -50,7 +50,7 @@ def test_chat_repl_survives_refusals_and_unknown_commands(model):
     """A first question that does not fit the context is refused with what to do in the REPL (no traceback, no
     stats line for it), a mistyped /command is not sent to the model, and the session goes on."""
     long_q = "tell me a long story about rivers and mountains " * 12
-    r = _run(["edge.cli", "--model", model, "--max-tokens", "4", "--context", "40"],
+    r = _run(["edge.chat", "--model", model, "--max-tokens", "4", "--context", "40"],
              stdin=f"{long_q}\n/qiut\nhi\n/quit\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert "shorten it, or restart edge-chat with a larger --context (this export holds up to 256)" in r.stderr
@@ -59,7 +59,7 @@ def test_chat_repl_survives_refusals_and_unknown_commands(model):
     assert "unknown command /qiut" in r.stderr
     assert r.stderr.count("tok/s decode") == 1  # only the answered turn has a stats line
     # after some turns a question that would fit alone: /reset or --overflow drop_oldest help
-    r = _run(["edge.cli", "--model", model, "--max-tokens", "8", "--context", "64"],
+    r = _run(["edge.chat", "--model", model, "--max-tokens", "8", "--context", "64"],
              stdin="".join(f"tell me about rivers number {i}\n" for i in range(8)) + "/quit\n")
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
     assert "/reset to start over, or restart edge-chat with --overflow drop_oldest" in r.stderr, r.stderr
@@ -71,7 +71,7 @@ def test_chat_repl_survives_refusals_and_unknown_commands(model):
     (["--context", "5"], "--context 5 cannot hold a chat"),
 ])
 def test_chat_bad_engine_flags(model, flags, needle):
-    r = _run(["edge.cli", "--model", model, "--prompt", "hi", "--max-tokens", "2", *flags])
+    r = _run(["edge.chat", "--model", model, "--prompt", "hi", "--max-tokens", "2", *flags])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert needle in r.stderr, r.stderr
 
@@ -85,25 +85,25 @@ def test_chat_prompt_uses_the_system_prompt_and_counts_it(model):
     system = "you answer in rhymes about rivers and mountains " * 3
     want = e.generate([{"role": "system", "content": system}, {"role": "user", "content": "hi"}], max_tokens=8)
     assert want.token_ids != e.generate("hi", max_tokens=8).token_ids  # the system prompt changes the answer
-    r = _run(["edge.cli", "--model", model, "--prompt", "hi", "--system", system, "--json", "--max-tokens", "8",
+    r = _run(["edge.chat", "--model", model, "--prompt", "hi", "--system", system, "--json", "--max-tokens", "8",
               "--drafter", "none", "--context", "256"])
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["token_ids"] == want.token_ids
     alone = len(e.encode([{"role": "user", "content": ""}]))
-    r = _run(["edge.cli", "--model", model, "--prompt", "hi", "--system", system, "--context", str(alone + 2)])
+    r = _run(["edge.chat", "--model", model, "--prompt", "hi", "--system", system, "--context", str(alone + 2)])
     assert r.returncode == 2 and "with the chat template and the system prompt" in r.stderr, r.stderr
 
 
 def test_chat_on_a_checkpoint_dir_says_export_it_elsewhere(tiny_llama_dir):
     """Pointing --model at a checkpoint suggests exporting it into a new directory, never into itself (an export
     replaces its output directory)."""
-    r = _run(["edge.cli", "--model", str(tiny_llama_dir), "--prompt", "hi"])
+    r = _run(["edge.chat", "--model", str(tiny_llama_dir), "--prompt", "hi"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "holds a model checkpoint" in r.stderr and f"-o {tiny_llama_dir}-edgespec" in r.stderr
 
 
 def test_chat_bad_model_dir_is_one_clear_line(tmp_path):
-    r = _run(["edge.cli", "--model", str(tmp_path / "nope"), "--prompt", "hi"])
+    r = _run(["edge.chat", "--model", str(tmp_path / "nope"), "--prompt", "hi"])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().startswith("edge-chat: error:") and "edge-export" in r.stderr
 
@@ -117,7 +117,7 @@ def test_chat_bad_model_dir_is_one_clear_line(tmp_path):
 def test_chat_bad_generation_flags_fail_before_loading(tmp_path, flags, needle):
     """Each is refused by the flag's name before the model loads (a first run's export takes minutes; the REPL
     used to start and then refuse every question): the model directory given does not even exist."""
-    args = ["edge.cli", "--model", str(tmp_path / "absent"), *flags]
+    args = ["edge.chat", "--model", str(tmp_path / "absent"), *flags]
     if "--prompt" not in flags and "--json" not in flags:
         args += ["--prompt", "hi"]
     r = _run(args)
@@ -127,7 +127,7 @@ def test_chat_bad_generation_flags_fail_before_loading(tmp_path, flags, needle):
 
 def test_chat_output_closed_early_is_quiet(model):
     """`edge-chat --prompt ... | head -c 5`: the closed pipe ends the answer without a traceback."""
-    p = subprocess.Popen([sys.executable, "-m", "edge.cli", "--model", model, "--prompt", "the quick brown fox",
+    p = subprocess.Popen([sys.executable, "-m", "edge.chat", "--model", model, "--prompt", "the quick brown fox",
                           "--max-tokens", "200", "--drafter", "none", "--context", "256"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**__import__("os").environ,
                                                                              "HF_HUB_OFFLINE": "1"})
@@ -142,7 +142,7 @@ def test_chat_json_interrupted_still_prints_what_ran(monkeypatch, capsys):
     130 (it printed nothing before)."""
     import argparse
 
-    from edge import cli
+    from edge import args, chat as cli
     from edge.engine import Chunk, Stats
 
     class Engine:
@@ -165,7 +165,7 @@ def test_bench_writes_json_and_markdown(model, tmp_path):
     prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "category": c, "turns": [t]}) for i, (c, t) in enumerate(
         [("qa", "the quick brown fox"), ("code", "def add(a, b):")])) + "\n")
     out = tmp_path / "b.json"
-    r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "1", "--max-tokens", "10", "--modes",
+    r = _run(["edge.tools.bench", str(prompts), "--model", model, "--reps", "1", "--max-tokens", "10", "--modes",
               "none,lookup,recycling", "--second-turn", "again", "--out", str(out), "--quiet"])
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
@@ -187,7 +187,7 @@ def test_bench_sampling_runs_every_mode_with_the_same_seeds(model, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "category": "qa", "turns": ["the quick brown fox"]}) + "\n")
     out = tmp_path / "b.json"
-    r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "2", "--max-tokens", "12", "--modes",
+    r = _run(["edge.tools.bench", str(prompts), "--model", model, "--reps", "2", "--max-tokens", "12", "--modes",
               "none,lookup,recycling", "--temp", "0.8", "--top-k", "20", "--seed", "7", "--out", str(out), "--quiet"])
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
@@ -216,7 +216,7 @@ def test_bench_sampling_runs_every_mode_with_the_same_seeds(model, tmp_path):
 def test_bench_bad_workload_lines_are_one_clear_error(model, tmp_path, lines, needle):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(lines) + "\n")
-    r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "1", "--out", str(tmp_path / "o.json")])
+    r = _run(["edge.tools.bench", str(prompts), "--model", model, "--reps", "1", "--out", str(tmp_path / "o.json")])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert needle in r.stderr, r.stderr
 
@@ -236,7 +236,7 @@ def test_bench_bad_flags_fail_before_running(tmp_path, exported_llama, tiny_llam
     export_model(tiny_llama_dir, model, tiny_export_options(drafters=(), parity=False), progress=False)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "category": "qa", "turns": ["hi"]}) + "\n")
-    r = _run(["edge.bench", str(prompts), "--model", str(model), "--out", str(tmp_path / "o.json"), *flags])
+    r = _run(["edge.tools.bench", str(prompts), "--model", str(model), "--out", str(tmp_path / "o.json"), *flags])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert needle in r.stderr, r.stderr
     assert not (tmp_path / "o.json").exists()
@@ -248,10 +248,10 @@ def test_bench_output_problems_found_before_running_and_md_never_overwrites_json
     a_file = tmp_path / "file"
     a_file.write_text("x")
     for bad in (tmp_path, a_file / "o.json"):  # a directory; a path under a file
-        r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "1", "--max-tokens", "4", "--out", str(bad)])
+        r = _run(["edge.tools.bench", str(prompts), "--model", model, "--reps", "1", "--max-tokens", "4", "--out", str(bad)])
         assert r.returncode == 2 and "Traceback" not in r.stderr and "--out" in r.stderr, r.stderr
         assert "decode" not in r.stdout  # refused before any run
-    r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "1", "--max-tokens", "4", "--modes", "none",
+    r = _run(["edge.tools.bench", str(prompts), "--model", model, "--reps", "1", "--max-tokens", "4", "--modes", "none",
               "--out", str(tmp_path / "r.md"), "--quiet"])
     assert r.returncode == 0, r.stderr
     assert json.loads((tmp_path / "r.json").read_text())["summary"]
@@ -281,20 +281,20 @@ def test_soak_bad_flags_fail_before_running(tmp_path):
     for flags, needle in ((["--turns", "0"], "--turns"), (["--every", "0"], "--every"), (["--group", "0"], "--group"),
                           (["--drafter", "bogus"], "--drafter"), (["--max-tokens", "0"], "--max-tokens"),
                           (["--model-dir", str(tmp_path / "nope")], "no such model directory")):
-        r = _run(["edge.soak", *flags], timeout=120)
+        r = _run(["edge.tools.soak", *flags], timeout=120)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (flags, r.stderr)
         assert needle in r.stderr, (flags, r.stderr)
 
 
 def test_engine_flags_shared_by_chat_and_serve():
     """Every engine drafter is selectable from edge-chat, and edge-serve takes exactly the engine flags that are
-    edge.load keywords (one definition in edge.cli.add_engine_args)."""
+    edge.load keywords (one definition in edge.args.add_engine_args)."""
     import inspect
 
     import edge
-    from edge.cli import _parser as chat_parser
+    from edge.chat import _parser as chat_parser
     from edge.engine import DRAFTERS
-    from edge.serve import _parser as serve_parser
+    from edge.server.app import _parser as serve_parser
 
     for d in DRAFTERS:
         assert chat_parser().parse_args(["--drafter", d]).drafter == d
@@ -312,7 +312,7 @@ def test_bench_repeats_never_draft_from_their_own_answers(model, tmp_path):
     prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "category": "qa", "turns": [t]})
                                  for i, t in enumerate(["the quick brown fox", "one two three four"])) + "\n")
     out = tmp_path / "b.json"
-    r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "3", "--max-tokens", "24", "--modes",
+    r = _run(["edge.tools.bench", str(prompts), "--model", model, "--reps", "3", "--max-tokens", "24", "--modes",
               "none,recycling", "--draft-len", "4", "--out", str(out), "--quiet"])
     assert r.returncode == 0, r.stderr
     runs = json.loads(out.read_text())["runs"]
@@ -332,7 +332,7 @@ def test_bench_cold_prompts_draft_as_if_first(model, tmp_path):
     got = {}
     for name, f, flags in (("both", prompts, ["--cold"]), ("alone", alone, ["--cold"]), ("warm", prompts, [])):
         out = tmp_path / f"{name}.json"
-        r = _run(["edge.bench", str(f), "--model", model, "--reps", "1", "--max-tokens", "24", "--modes",
+        r = _run(["edge.tools.bench", str(f), "--model", model, "--reps", "1", "--max-tokens", "24", "--modes",
                   "none,recycling", "--draft-len", "4", "--out", str(out), "--quiet"] + flags)
         assert r.returncode == 0, r.stderr
         doc = json.loads(out.read_text())
@@ -340,7 +340,7 @@ def test_bench_cold_prompts_draft_as_if_first(model, tmp_path):
     assert got["both"] == got["alone"], got
     assert got["warm"] != got["alone"], got  # the control: without --cold the first prompt taught the second
     out = tmp_path / "adaptive.json"  # adaptive lengths: drafts priced (and counted) per kind of token
-    r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "1", "--max-tokens", "24", "--modes",
+    r = _run(["edge.tools.bench", str(prompts), "--model", model, "--reps", "1", "--max-tokens", "24", "--modes",
               "none,lookup", "--cold", "--out", str(out), "--quiet"])
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
@@ -383,7 +383,7 @@ def test_bench_peer_joins_the_rotation_on_the_same_ids(model, tmp_path):
     """--peer-model: the peer's greedy and n-gram modes run each first turn on the ids edgespec's template gives;
     its n-gram answers are compared with its own greedy ones, and every edgespec mode with its best mode."""
     out = tmp_path / "b.json"
-    r = _run(["edge.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "2", "--max-tokens", "9",
+    r = _run(["edge.tools.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "2", "--max-tokens", "9",
               "--modes", "none,lookup", "--peer-model", str(tmp_path), "--out", str(out), "--quiet"],
              env={"PYTHONPATH": FAKE_GENAI})
     assert r.returncode == 0, r.stderr
@@ -424,7 +424,7 @@ def test_bench_peer_joins_the_rotation_on_the_same_ids(model, tmp_path):
     (["--peer-model", "{tmp}"], {"PYTHONPATH": "{tmp}/broken"}, "cannot import onnxruntime_genai"),
     (["--peer-model", "{tmp}"], {"PYTHONPATH": FAKE_GENAI, "FAKE_GENAI_FAIL_AFTER": "0"}, "fake failure"),  # warm-up
     (["--peer-python", "/usr/bin/python3"], {}, "--peer-python needs --peer-model"),
-    (["--peer-model", "{tmp}", "--peer-python", "/bin/echo"], {}, "not edge/peer_genai.py's protocol"),
+    (["--peer-model", "{tmp}", "--peer-python", "/bin/echo"], {}, "not edge/tools/peer_genai.py's protocol"),
     (["--peer-model", "{tmp}/missing"], {"PYTHONPATH": FAKE_GENAI}, "cannot load"),
     (["--peer-model", "{tmp}", "--peer-python", "/nonexistent/python"], {}, "cannot start /nonexistent/python"),
     (["--modes", "none,genai"], {}, "genai modes need --peer-model"),
@@ -435,7 +435,7 @@ def test_bench_peer_problems_are_one_line(model, tmp_path, flags, env, needle):
     (tmp_path / "broken" / "onnxruntime_genai" / "__init__.py").write_text("raise ImportError('no native library')")
     flags = [f.format(tmp=tmp_path) for f in flags]
     env = {k: v.format(tmp=tmp_path) for k, v in env.items()}
-    r = _run(["edge.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "1", "--max-tokens", "4",
+    r = _run(["edge.tools.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "1", "--max-tokens", "4",
               "--out", str(tmp_path / "b.json"), "--quiet", *flags], env=env)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "b.json").exists()
@@ -444,7 +444,7 @@ def test_bench_peer_problems_are_one_line(model, tmp_path, flags, env, needle):
 def test_bench_peer_failing_midway_keeps_what_ran(model, tmp_path):
     """A peer that dies after its warm-up and two answers: the runs so far are summarized and written, exit 1."""
     out = tmp_path / "b.json"
-    r = _run(["edge.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "2", "--max-tokens", "6",
+    r = _run(["edge.tools.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "2", "--max-tokens", "6",
               "--modes", "none", "--peer-model", str(tmp_path), "--out", str(out), "--quiet"],
              env={"PYTHONPATH": FAKE_GENAI, "FAKE_GENAI_FAIL_AFTER": "3"})
     assert r.returncode == 1 and "the peer failed (onnxruntime-genai failed: fake failure)" in r.stderr, r.stderr
@@ -466,7 +466,7 @@ def test_bench_peer_answers_that_end_count_their_end_token(model, tmp_path):
     """onnxruntime-genai 0.18 leaves the end token out of its sequence; edgespec counts its own, so the peer's
     n_gen (and tok/s) must count it too: an answer of 4 tokens that ended is 5 generated."""
     out = tmp_path / "b.json"
-    r = _run(["edge.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "1", "--max-tokens", "9",
+    r = _run(["edge.tools.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "1", "--max-tokens", "9",
               "--modes", "none,genai", "--peer-model", str(tmp_path), "--out", str(out), "--quiet"],
              env={"PYTHONPATH": FAKE_GENAI, "FAKE_GENAI_EOS_AFTER": "4"})
     assert r.returncode == 0, r.stderr
@@ -500,7 +500,7 @@ def test_bench_peer_changes_nothing_about_our_own_runs(model, tmp_path):
     counts = []
     for peer in ([], ["--peer-model", str(tmp_path)]):
         out = tmp_path / f"b{len(peer)}.json"
-        r = _run(["edge.bench", str(prompts), "--model", model, "--reps", "2", "--max-tokens", "24", "--modes",
+        r = _run(["edge.tools.bench", str(prompts), "--model", model, "--reps", "2", "--max-tokens", "24", "--modes",
                   "none,recycling,hybrid", *peer, "--out", str(out), "--quiet"], env={"PYTHONPATH": FAKE_GENAI})
         assert r.returncode == 0, r.stderr
         counts.append({(r["id"], r["mode"], r["rep"]): (r["drafted"], r["accepted"], r["steps"])

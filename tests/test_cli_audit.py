@@ -1,4 +1,4 @@
-"""A mutation audit of edge/manifest.py, edge/text.py and edge/cli.py (session 23): each test catches a plausible
+"""A mutation audit of edge/manifest.py, edge/text.py and edge/chat.py (session 23): each test catches a plausible
 one-line bug that every other test let through (named in its docstring). Fast: no subprocesses unless noted; the
 model-directory tests reuse the session export (tiny_dir) from tests/conftest.py."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ import shutil
 import numpy as np
 import pytest
 
-from edge import cli
+from edge import args, chat as cli
 from edge.manifest import MANIFEST_NAME, ModelDirError, load_manifest
 
 
-# ----------------------------------------------------------------------------- edge/cli.py: flag parsing
+# ----------------------------------------------------------------------------- edge/chat.py: flag parsing
 
 def _parse(*argv):
     return cli._parser().parse_args(list(argv))
@@ -72,7 +72,7 @@ def test_reexport_command_names_the_recorded_source_checkpoint(model_copy):
     assert f"edge-export {src} -o {model_copy}" in str(ei.value), str(ei.value)
 
 
-# ----------------------------------------------------------------------------- edge/cli.py: start-up checks
+# ----------------------------------------------------------------------------- edge/chat.py: start-up checks
 
 def _fake_engine(context: int, empty_tokens: int, max_len: int = 256):
     from types import SimpleNamespace
@@ -84,14 +84,14 @@ def _fake_engine(context: int, empty_tokens: int, max_len: int = 256):
 def test_context_exactly_an_empty_question_cannot_hold_a_chat():
     """cli.py:79 `engine.context > empty` -> `>=`: a context exactly as long as the empty question leaves no room
     for a single answer token and must be refused at start (one more token is enough)."""
-    assert cli.chat_context_problem(_fake_engine(context=20, empty_tokens=20)) is not None
-    assert cli.chat_context_problem(_fake_engine(context=21, empty_tokens=20)) is None
+    assert args.chat_context_problem(_fake_engine(context=20, empty_tokens=20)) is not None
+    assert args.chat_context_problem(_fake_engine(context=21, empty_tokens=20)) is None
 
 
 def test_context_refusal_names_the_default_this_export_allows():
     """cli.py:84 `min(DEFAULT_CONTEXT, max_len)` -> `max`: the refusal must quote the default context the export
     can actually hold (its max_len when smaller than 4096), not one edge.load would itself refuse."""
-    msg = cli.chat_context_problem(_fake_engine(context=10, empty_tokens=30, max_len=256))
+    msg = args.chat_context_problem(_fake_engine(context=10, empty_tokens=30, max_len=256))
     assert "--context 10 cannot hold a chat" in msg and "(default 256)" in msg, msg
     assert "need 94 or more" in msg, msg
 
@@ -149,7 +149,7 @@ def test_json_answer_reports_load_time(capsys):
     assert out["load_s"] == 1.23 and out["finish_reason"] == "length"
 
 
-# ----------------------------------------------------------------------------- edge/cli.py: the REPL, in process
+# ----------------------------------------------------------------------------- edge/chat.py: the REPL, in process
 
 class _Chat:
     def __init__(self, engine, system, overflow):
@@ -339,7 +339,7 @@ def test_an_unknown_decoder_step_before_byte_level_takes_the_redecoding_path(tmp
     assert "".join(_streamed(codec, [2, 1, 0], [1])) == codec.decode([2, 1, 0])
 
 
-# ----------------------------------------------------------------------------- edge/cli.py: --plan (no model load)
+# ----------------------------------------------------------------------------- edge/chat.py: --plan (no model load)
 
 def test_plan_at_the_exports_full_context_and_as_json(tiny_dir, capsys):
     """cli.py:266 `a.context > max_len` -> `>=` (the export's own maximum refused), cli.py:295 `--json` refused with
@@ -396,7 +396,7 @@ def test_no_template_adds_the_assistant_prefix_only_when_asked(tmp_path):
     assert codec.render(msgs, add_generation_prompt=False) == "system: be brief\nuser: hi\n"
 
 
-# ----------------------------------------------------------------------------- edge/cli.py: main() with a fake load
+# ----------------------------------------------------------------------------- edge/chat.py: main() with a fake load
 
 class _PromptEngine:
     def __init__(self):

@@ -239,7 +239,7 @@ def _speculative_first_tokens(engine, prompt, n_samples: int, drafter: str, seed
 
 
 def _check_against(dist, counts):
-    from kernels.stats import compare_to_distribution
+    from distribution import compare_to_distribution
 
     keys = sorted(set(dist) | set(counts))  # an outcome the target cannot produce fails the check outright
     return compare_to_distribution(np.array([counts[k] for k in keys]), np.array([dist.get(k, 0.0) for k in keys]))
@@ -392,7 +392,7 @@ def test_model_drafter_without_drafter_graph_is_a_clear_error(tmp_path, tiny_lla
     e = edge.load(out, drafter="lookup", context=256)
     with pytest.raises(ModelDirError, match="no drafter graph"):
         e.generate("hi", max_tokens=4, drafter="model")
-    from edge.cli import main  # --plan plans from the manifest alone, and refuses the same way
+    from edge.chat import main  # --plan plans from the manifest alone, and refuses the same way
 
     assert main(["--model", str(out), "--plan", "--drafter", "model", "--context", "64"]) == 2
     assert f"edge-chat: error: {out}: no drafter graph" in capsys.readouterr().err

@@ -336,18 +336,18 @@ def test_target_latency_is_timed_at_a_long_context_when_the_graph_has_room(tmp_p
     no room) and over up to 1,024 when the graph holds at least twice that first context; the manifest records
     both, and the planner prices contexts between them from it without a calibration. Each drafter graph is timed
     the same way over the first context, and the planner prices it from that rather than its numpy-fed figure."""
-    import edge.profile
+    import edge.measure
     from export.pipeline import VERIFY_SIZES, export_model
     from memory.planner import Latency
 
     timed = []
-    real = edge.profile.call_latency
+    real = edge.measure.call_latency
 
     def spy(session, sizes, context, reps, prog=None):
         timed.append((list(sizes), context, session.cache.capacity, session.vocab))
         return real(session, sizes, context, 1, prog)
 
-    monkeypatch.setattr(edge.profile, "call_latency", spy)
+    monkeypatch.setattr(edge.measure, "call_latency", spy)
     m = export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(max_len=max_len, distill=False,
                                                                          parity=False), progress=False)
     t, (d,) = m.target.stats, m.drafters

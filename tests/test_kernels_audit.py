@@ -12,7 +12,7 @@ import pytest
 
 from kernels.postprocess import HEAD_INPUTS, head_feeds, sampling_head_reference
 from kernels.sampling import make_sampler, probs_from_top, process_logits
-from kernels.stats import DistributionCheck, chi2_quantile, compare_to_distribution
+from distribution import DistributionCheck, chi2_quantile, compare_to_distribution
 from kernels.tree import verify_greedy_tree, verify_sampling_tree
 from kernels.verify import recovered_distribution, scatter_trimmed, verify_greedy, verify_sampling
 from toy_lm import FixedU

@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kernels.sampling import make_sampler, process_logits, sample_from
-from kernels.stats import chi2_quantile, compare_to_distribution
+from distribution import chi2_quantile, compare_to_distribution
 
 PROPERTY = settings(max_examples=200, deadline=None, database=None)
 

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.sampling import sample_from
-from kernels.stats import compare_to_distribution
+from distribution import compare_to_distribution
 from kernels.tree import (
     TreeLayout,
     chain_parents,

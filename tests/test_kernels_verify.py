@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels.sampling import sample_from
-from kernels.stats import compare_to_distribution
+from distribution import compare_to_distribution
 from kernels.verify import (
     recovered_distribution,
     scatter_trimmed,

@@ -231,13 +231,13 @@ def test_recycling_bytes_are_the_drafters_own(vocab, k):
 
 
 def test_soak_checks_every_drafter_state_against_its_bound(tiny_dir):
-    """edge.soak's per-turn check: every size has a "<name>_bound" entry and is compared with it, Token Recycling's
+    """edge.tools.soak's per-turn check: every size has a "<name>_bound" entry and is compared with it, Token Recycling's
     bytes against the footprint model's fixed size (two bounds were once keyed "recycling_bound" and
     "cached_bound", so those two checks never ran)."""
     import numpy as np
 
     import edge
-    from edge.soak import drafter_state, within_bounds
+    from edge.tools.soak import drafter_state, within_bounds
 
     e = edge.load(tiny_dir, drafter="none", context=256)
     state = drafter_state(e)

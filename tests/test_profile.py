@@ -18,8 +18,8 @@ import pytest
 import edge
 from edge import EngineError
 from edge.planning import CalibrationError, load_calibration, make_plan, profile_for
-from edge.pngplot import plot_png
-from edge.profile import fit_baseline, planner_vs_sweep, specmemo_pair, summarize_speed, validation_table
+from edge.tools.pngplot import plot_png
+from edge.tools.profile import fit_baseline, planner_vs_sweep, specmemo_pair, summarize_speed, validation_table
 from memory import AcceptanceStats, predict_peak
 
 PROMPTS = [{"id": "a", "category": "qa", "turns": ["the quick brown fox jumps over the lazy dog"]},
@@ -54,7 +54,7 @@ def calibration(tmp_path, accept: float, name: str = "cal.json", baseline_mb: fl
 # ------------------------------------------------------------------------------------------- edge-profile
 def test_edge_profile_end_to_end_writes_calibration_json_and_pngs(tiny_dir, prompts, tmp_path):
     out = tmp_path / "prof"
-    r = _run(["edge.profile", str(prompts), "--model", str(tiny_dir), "--out", str(out), "--sizes", "1,2,4",
+    r = _run(["edge.tools.profile", str(prompts), "--model", str(tiny_dir), "--out", str(out), "--sizes", "1,2,4",
               "--latency-reps", "1", "--latency-contexts", "16", "--prompts-per-category", "1", "--max-tokens", "8",
               "--accept-k", "4", "--sweep-ks", "1,4", "--sweep-drafters", "lookup", "--sweep-prompts", "1",
               "--reps", "1", "--contexts", "24,96", "--mem-ks", "0,4", "--specmemo-context", "24", "--quiet"])
@@ -77,7 +77,7 @@ def test_edge_profile_end_to_end_writes_calibration_json_and_pngs(tiny_dir, prom
 
 
 def test_edge_profile_missing_prompt_file_is_one_clear_line(tmp_path):
-    r = _run(["edge.profile", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")])
+    r = _run(["edge.tools.profile", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "nope.jsonl not found" in r.stderr
 
@@ -85,7 +85,7 @@ def test_edge_profile_missing_prompt_file_is_one_clear_line(tmp_path):
 @pytest.mark.parametrize("flags", [["--sizes", "x"], ["--sweep-ks", "x"], ["--contexts", "1k"], ["--sizes", "0"],
                                    ["--sizes", "-3"], ["--latency-reps", "0"], ["--mem-ks", "-1"], ["--reps", "0"]])
 def test_edge_profile_bad_numbers_are_argument_errors(prompts, tmp_path, flags):
-    r = _run(["edge.profile", str(prompts), "--out", str(tmp_path / "o"), *flags])
+    r = _run(["edge.tools.profile", str(prompts), "--out", str(tmp_path / "o"), *flags])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert flags[0] in r.stderr and not (tmp_path / "o").exists()
 
@@ -99,7 +99,7 @@ def test_edge_profile_bad_numbers_are_argument_errors(prompts, tmp_path, flags):
     ["--steps", "memory", "--mem-ks", "0,65"], ["--steps", "latency", "--sizes", "1,5000"]])
 def test_edge_profile_bad_values_are_refused_before_the_model_loads(tiny_dir, prompts, tmp_path, flags):
     """Not minutes into the run, by the step that uses them: argparse's exit 2 naming the flag, nothing written."""
-    r = _run(["edge.profile", str(prompts), "--model", str(tiny_dir), "--out", str(tmp_path / "o"), "--quiet",
+    r = _run(["edge.tools.profile", str(prompts), "--model", str(tiny_dir), "--out", str(tmp_path / "o"), "--quiet",
               "--sizes", "1,2", "--latency-reps", "1", "--max-tokens", "4", "--reps", "1", "--sweep-ks", "1",
               "--contexts", "24", "--specmemo-context", "0", "--chat-context", "64", "--chat-max-tokens", "4", *flags])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
@@ -112,7 +112,7 @@ def test_edge_profile_cut_short_writes_this_runs_steps_and_installs_nothing(tiny
                                                                             capsys, stop, rc, said):
     """Ctrl-C or an engine error in a step: calibration.json and profile.json hold this run's finished steps (not a
     previous run's calibration) and say the run was cut short; --install installs nothing; the exit code says so."""
-    from edge import profile
+    from edge.tools import profile
     from edge.planning import default_calibration_path
 
     def cut(*a, **k):
@@ -142,7 +142,7 @@ def test_edge_profile_cut_short_writes_this_runs_steps_and_installs_nothing(tiny
     (["--steps", "memory", "--contexts", "100000"], "no --contexts value fits")])
 def test_edge_profile_runs_that_would_measure_nothing_are_refused(tiny_dir, prompts, tmp_path, flags, said):
     """They exited 0 having done nothing, or failed mid-run with "max() arg is an empty sequence"."""
-    r = _run(["edge.profile", str(prompts), "--model", str(tiny_dir), "--out", str(tmp_path / "o"), "--quiet",
+    r = _run(["edge.tools.profile", str(prompts), "--model", str(tiny_dir), "--out", str(tmp_path / "o"), "--quiet",
               "--specmemo-context", "0", *flags])
     assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o" / "calibration.json").exists()
@@ -151,7 +151,7 @@ def test_edge_profile_runs_that_would_measure_nothing_are_refused(tiny_dir, prom
 def test_edge_profile_a_run_of_some_steps_keeps_the_other_sections(tiny_dir, prompts, tmp_path, capsys):
     """Re-measuring latency alone kept no acceptance, and acceptance alone no latency: the planner silently fell
     back to its defaults for the rest. Sections of another export are not kept."""
-    from edge import profile
+    from edge.tools import profile
 
     out = tmp_path / "prof"
     small = ["--model", str(tiny_dir), "--out", str(out), "--quiet", "--sizes", "1,2", "--latency-reps", "1",
@@ -175,7 +175,7 @@ def test_edge_profile_a_run_of_some_steps_keeps_the_other_sections(tiny_dir, pro
 def test_edge_profile_measures_the_target_at_each_latency_context(tiny_dir, prompts, tmp_path, capsys):
     """The target's curve at every --latency-contexts value that fits (the planner interpolates between them), the
     drafters' at the first; a context with no room for a call is named and skipped, not a traceback."""
-    from edge import profile
+    from edge.tools import profile
     from edge.manifest import load_manifest
     from memory.planner import Latency
 
@@ -199,7 +199,7 @@ def test_each_drafter_measures_acceptance_from_the_same_state(tiny_dir, prompts,
     """Token Recycling learns from every run: measured after lookup and the model drafter had answered the same
     prompt, it recalled their answer (accepted ~50x more than when it ran first). Now its counts do not depend on
     which drafters ran before it."""
-    from edge import profile
+    from edge.tools import profile
 
     items = profile.load_prompts(str(prompts), 0)[:1]  # one prompt: what carries over to the next does not count
     got = []
@@ -216,7 +216,7 @@ def test_each_drafter_measures_acceptance_from_the_same_state(tiny_dir, prompts,
 def test_speed_sweep_repeats_draft_alike(tiny_dir, prompts):
     """A config's second repeat drafted from what its first (and every other config) had learnt on the same
     prompt: ~3x the first's accepted tokens. Every run of a prompt now starts from the same drafting state."""
-    from edge import profile
+    from edge.tools import profile
 
     e = edge.load(tiny_dir, context=256)
     seen = {}
@@ -239,15 +239,15 @@ def test_speed_sweep_repeats_draft_alike(tiny_dir, prompts):
 def test_edge_profile_output_under_a_file_is_one_clear_line(tiny_dir, prompts, tmp_path):
     f = tmp_path / "a-file"
     f.write_text("x")
-    r = _run(["edge.profile", str(prompts), "--model", str(tiny_dir), "--out", str(f / "o")])
+    r = _run(["edge.tools.profile", str(prompts), "--model", str(tiny_dir), "--out", str(f / "o")])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--out" in r.stderr, r.stderr
     # without --model: refused before the embedded default is looked up (or exported: a minute of work)
-    r = subprocess.run([sys.executable, "-m", "edge.profile", str(prompts), "--out", str(f / "o")],
+    r = subprocess.run([sys.executable, "-m", "edge.tools.profile", str(prompts), "--out", str(f / "o")],
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "EDGESPEC_HOME": str(f / "home")})
     assert r.returncode == 2 and "--out" in r.stderr and "EDGESPEC_HOME" not in r.stderr, r.stderr
     # a good --out, a cache that cannot be made: one line naming the variable
-    r = subprocess.run([sys.executable, "-m", "edge.profile", str(prompts), "--out", str(tmp_path / "o")],
+    r = subprocess.run([sys.executable, "-m", "edge.tools.profile", str(prompts), "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=120,
                        env={**os.environ, "HF_HUB_OFFLINE": "1", "EDGESPEC_HOME": str(f / "home")})
     assert r.returncode == 2 and "Traceback" not in r.stderr and "EDGESPEC_HOME" in r.stderr, r.stderr
@@ -290,7 +290,7 @@ def test_the_planner_loads_the_calibration_and_its_choice_follows_it(tiny_dir, t
 
 
 def test_plan_json_and_auto_loaded_calibration(tiny_dir, tmp_path, monkeypatch, capsys):
-    from edge.cli import main
+    from edge.chat import main
     from edge.planning import default_calibration_path
 
     hi = calibration(tmp_path, 0.95, "hi.json")
@@ -308,7 +308,7 @@ def test_plan_json_and_auto_loaded_calibration(tiny_dir, tmp_path, monkeypatch, 
 def test_plan_shows_the_plan_of_the_drafter_asked_for(tiny_dir, tmp_path, capsys):
     """`edge-chat --plan --drafter X` prints the plan an engine loaded with X runs (X or plain decoding), as
     edge.load(drafter=X) plans it; it printed the auto plan whatever --drafter said."""
-    from edge.cli import main
+    from edge.chat import main
 
     hi = calibration(tmp_path, 0.95, "hi.json")
     flags = ["--model", str(tiny_dir), "--plan", "--json", "--context", "64", "--budget-mb", "4096",
@@ -356,7 +356,7 @@ def test_malformed_calibrations_are_one_clear_error(tmp_path, tiny_dir, doc, nee
     f.write_text(json.dumps(doc))
     with pytest.raises(CalibrationError, match=re.escape(needle)):
         load_calibration(f)
-    r = _run(["edge.cli", "--model", str(tiny_dir), "--plan", "--budget-mb", "500", "--calibration", str(f)])
+    r = _run(["edge.chat", "--model", str(tiny_dir), "--plan", "--budget-mb", "500", "--calibration", str(f)])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "cal.json" in r.stderr, r.stderr
 
 
@@ -679,14 +679,14 @@ def test_predicted_kv_bytes_are_the_allocated_buffers(tiny_dir):
 
 
 def test_plan_report_refuses_a_context_beyond_the_export_and_plans_its_maximum(tiny_dir):
-    r = _run(["edge.cli", "--model", str(tiny_dir), "--plan", "--context", "300", "--budget-mb", "4096"])
+    r = _run(["edge.chat", "--model", str(tiny_dir), "--plan", "--context", "300", "--budget-mb", "4096"])
     assert r.returncode == 2 and "--context 300 is more than the 256 tokens" in r.stderr, r.stderr
-    r = _run(["edge.cli", "--model", str(tiny_dir), "--plan", "--json", "--context", "256", "--budget-mb", "4096"])
+    r = _run(["edge.chat", "--model", str(tiny_dir), "--plan", "--json", "--context", "256", "--budget-mb", "4096"])
     assert r.returncode == 0 and json.loads(r.stdout)["fits"], r.stdout + r.stderr  # the export's own maximum
 
 
 def test_stats_shows_plan_predicted_and_measured_memory(tiny_dir):
-    r = _run(["edge.cli", "--model", str(tiny_dir), "--max-tokens", "6", "--context", "256", "--budget-mb", "4096"],
+    r = _run(["edge.chat", "--model", str(tiny_dir), "--max-tokens", "6", "--context", "256", "--budget-mb", "4096"],
              stdin="hello there\n/stats\n/quit\n")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stderr[r.stderr.index("{"): r.stderr.rindex("}") + 1])
@@ -728,7 +728,7 @@ def test_call_latency_takes_turns_so_a_slow_spell_lands_on_every_width(monkeypat
     """A host that is slow for a while (another process, here the first 9 timed calls cost 50 ms more): each round
     times every width once, so the spell reaches them alike and no width looks cheaper than a narrower one. Timing
     each width's repeats in a block priced S = 1 (timed first) above S = 4."""
-    import edge.profile as prof
+    import edge.tools.profile as prof
 
     clock = [0.0]
     calls = []

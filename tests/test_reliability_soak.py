@@ -1,5 +1,5 @@
 """A short memory soak on the real embedded model, in its own process (RSS of this pytest process would count
-every other test's models): `python -m edge.soak --turns 60`. The 500-turn figures are in tests/RELIABILITY.md."""
+every other test's models): `python -m edge.tools.soak --turns 60`. The 500-turn figures are in tests/RELIABILITY.md."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 def test_soak_60_turns_stays_within_the_planner_prediction_and_drafter_bounds(tmp_path):
     out = tmp_path / "soak.json"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-m", "edge.soak", "--turns", "60", "--json", str(out)], cwd=REPO, env=env,
+    r = subprocess.run([sys.executable, "-m", "edge.tools.soak", "--turns", "60", "--json", str(out)], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rep = json.loads(out.read_text())

@@ -17,8 +17,8 @@ import pytest
 
 import edge
 from edge.engine import Chunk
-from edge.serve import ApiError, ChatRequest, Job, Worker, parse_chat_request
-from edge.serve_load import run_conversation, run_load
+from edge.server.app import ApiError, ChatRequest, Job, Worker, parse_chat_request
+from edge.tools.serve_load import run_conversation, run_load
 
 MAX_QUEUE = 1  # small, so the load test meets the bounded queue
 
@@ -337,7 +337,7 @@ def test_shutdown_stops_the_running_generation_and_answers_the_queue():
 
     import uvicorn
 
-    from edge.serve import uvicorn_server
+    from edge.server.app import uvicorn_server
 
     engine = HeldEngine()
     worker = Worker(engine, max_queue=2)
@@ -406,7 +406,7 @@ def test_web_pages_of_other_sites_are_refused_before_any_work(server):
     ("http://localhost.evil.com", (), False), ("http://[::1]:8080", (), True), ("file://", (), True),
     ("http://[bad", (), False)])
 def test_origin_policy(origin, allowed, ok):
-    from edge.serve import origin_allowed
+    from edge.server.app import origin_allowed
 
     assert origin_allowed(origin, allowed) is ok
 
@@ -538,7 +538,7 @@ def test_body_is_refused_before_it_is_held_whole():
     most one chunk past the limit is ever held."""
     import asyncio
 
-    from edge.serve import MAX_BODY, _read_body
+    from edge.server.app import MAX_BODY, _read_body
 
     consumed = []
 
@@ -598,11 +598,11 @@ def test_server_refuses_oversized_prompt_and_body_then_keeps_serving(server, fre
 
 
 def test_cli_has_edge_chat_engine_flags_and_refuses_bad_ones(tiny_dir):
-    r = subprocess.run([sys.executable, "-m", "edge.serve", "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "edge.server.app", "--help"], capture_output=True, text=True, timeout=60)
     for flag in ("--drafter", "--device", "--budget-mb", "--context", "--threads", "--simulate", "--max-queue",
                  "--host", "--port", "--model-dir", "--no-reuse"):
         assert flag in r.stdout
-    r = subprocess.run([sys.executable, "-m", "edge.serve", "--model-dir", str(tiny_dir), "--max-queue", "-1"],
+    r = subprocess.run([sys.executable, "-m", "edge.server.app", "--model-dir", str(tiny_dir), "--max-queue", "-1"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--max-queue" in r.stderr
 
@@ -686,7 +686,7 @@ def test_a_server_that_never_started_exits_non_zero(tiny_dir, monkeypatch, capsy
     it checks the same: a server that never started is an error, not exit 0."""
     import uvicorn
 
-    from edge import serve
+    from edge.server import app as serve
 
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)  # start-up failed: never started
     assert serve.main(["--model-dir", str(tiny_dir), "--port", "0"]) == 3

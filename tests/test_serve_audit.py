@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import serving
-from edge import serve_load
+from edge.tools import serve_load
 from edge.engine import MAX_DRAFT_LEN, Chunk, EngineError, Stats
 from edge.manifest import ModelDirError
-from edge.serve import MAX_BODY, ApiError, ChatRequest, Job, Worker, parse_chat_request
+from edge.server.app import MAX_BODY, ApiError, ChatRequest, Job, Worker, parse_chat_request
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -88,7 +88,7 @@ def test_stream_null_means_no_stream():
 def test_a_body_of_exactly_the_limit_is_read():
     import asyncio
 
-    from edge.serve import _read_body
+    from edge.server.app import _read_body
 
     class Exact:
         headers = {"content-length": str(MAX_BODY)}
@@ -393,7 +393,7 @@ def test_a_client_that_leaves_mid_stream_stops_its_generation():
 
 
 def test_cli_refuses_max_tokens_zero_before_loading(capsys):
-    from edge import serve
+    from edge.server import app as serve
 
     assert serve.main(["--model-dir", "/nonexistent", "--max-tokens", "0"]) == 2
     assert "--max-tokens >= 1" in capsys.readouterr().err
@@ -402,7 +402,7 @@ def test_cli_refuses_max_tokens_zero_before_loading(capsys):
 @pytest.mark.parametrize("host,warned", [("0.0.0.0", True), ("192.0.2.7", True), ("127.0.0.1", False),
                                          ("::1", False), ("localhost", False)])
 def test_cli_warns_only_when_binding_beyond_this_machine(monkeypatch, capsys, host, warned):
-    from edge import serve
+    from edge.server import app as serve
 
     monkeypatch.setattr(serve, "_listen_check", lambda host, port: (None, "stopped here by the test"))
     assert serve.main(["--host", host, "--port", "1"]) == 2

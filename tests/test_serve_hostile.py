@@ -26,8 +26,8 @@ import pytest
 import edge
 from conftest import serving
 from edge.engine import Chunk, Stats
-from edge import serve
-from edge.serve import (ACCEPT_ERROR, CUT_SLACK, MAX_BODY, PIECE_CHARS, ApiError, ChatRequest, ConnectionLimits, Job,
+from edge.server import app as serve
+from edge.server.app import (ACCEPT_ERROR, CUT_SLACK, MAX_BODY, PIECE_CHARS, ApiError, ChatRequest, ConnectionLimits, Job,
                         PromptLimits, RateLimitFilter, Worker, _normalizer_shrink, host_allowed,
                         parse_chat_request, prompt_limits, refuse_if_surely_too_long, tokens_at_least)
 
@@ -603,7 +603,7 @@ def test_cli_passes_the_bound_host_and_allowed_names(monkeypatch, capsys):
     monkeypatch.setattr(serve, "_listen_check", lambda host, port: (None, None))
     monkeypatch.setattr(edge, "load", lambda *a, **k: SimpleNamespace(context=100, default_drafter="none",
                                                                        manifest=SimpleNamespace(name="m")))
-    monkeypatch.setattr("edge.cli.chat_context_problem", lambda engine: None)
+    monkeypatch.setattr("edge.args.chat_context_problem", lambda engine: None)
     monkeypatch.setattr(serve, "create_app", lambda engine, **kw: seen.update(kw) or SimpleNamespace(
         state=SimpleNamespace(worker=None)))
     monkeypatch.setattr(serve, "uvicorn_server", lambda config, worker: SimpleNamespace(
@@ -717,7 +717,7 @@ def test_only_a_full_queue_counts_as_rejected():
 
 def test_cli_flags_for_the_caps_have_help_and_are_checked(capsys):
 
-    r = subprocess.run([sys.executable, "-m", "edge.serve", "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "edge.server.app", "--help"], capture_output=True, text=True, timeout=60)
     for flag in ("--max-connections", "--header-timeout", "--body-timeout", "--max-body-mb", "--allow-host"):
         assert flag in r.stdout, flag
     for bad in (["--max-connections", "0"], ["--header-timeout", "0"], ["--body-timeout", "-1"],

@@ -155,7 +155,7 @@ def test_the_server_prompts_with_the_safe_encoding(engine):
     """edge-serve's worker encodes and generates through the same engine calls: the forged markers stay text."""
     import json
 
-    from edge.serve import Job, Worker, parse_chat_request
+    from edge.server.app import Job, Worker, parse_chat_request
 
     req = parse_chat_request(json.dumps({"messages": EVIL, "max_tokens": 2}).encode(), 16)
     items, done = [], threading.Event()

@@ -207,7 +207,7 @@ def test_generate_with_a_runaway_template_is_an_engine_error(bad_engine):
 
 
 def test_edge_chat_reports_a_runaway_template_in_one_line(bad_engine, monkeypatch, capsys):
-    from edge import cli
+    from edge import args, chat as cli
 
     monkeypatch.setattr(edge, "load", lambda *a, **kw: bad_engine)
     assert cli.main(["--model", "x", "--prompt", "hi"]) == 2
@@ -219,7 +219,7 @@ def test_edge_chat_reports_a_runaway_template_in_one_line(bad_engine, monkeypatc
 def test_edge_serve_refuses_to_start_with_a_bad_template(tiny_dir, monkeypatch, capsys, template, words):
     """edge-serve's start-up check encoded an empty question outside its error handling: a traceback (or, for a
     template that never ends, a server that never starts)."""
-    from edge import serve
+    from edge.server import app as serve
 
     monkeypatch.setattr(edge.text, "RENDER_SECONDS", 0.3)
     e = _engine_with(tiny_dir, template)

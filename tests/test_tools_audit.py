@@ -1,6 +1,6 @@
-"""The measuring tools around the runtime, unit by unit with fakes: edge.memprobe's peak RSS (VmHWM, KiB, whose
-peak), its filler text and one measurement; edge.peer's side of the peer protocol against scripted workers;
-edge.peer_genai's worker against the fake onnxruntime_genai; edge.soak's loop against a scripted engine."""
+"""The measuring tools around the runtime, unit by unit with fakes: edge.tools.memprobe's peak RSS (VmHWM, KiB, whose
+peak), its filler text and one measurement; edge.tools.peer's side of the peer protocol against scripted workers;
+edge.tools.peer_genai's worker against the fake onnxruntime_genai; edge.tools.soak's loop against a scripted engine."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,14 +16,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from edge import memprobe, peer, peer_genai, soak
+from edge import measure
+from edge.tools import memprobe, peer, peer_genai, soak
 
 FAKE_GENAI = str(Path(__file__).with_name("fake_genai"))
 _spec = importlib.util.spec_from_file_location("fake_genai", Path(FAKE_GENAI) / "onnxruntime_genai" / "__init__.py")
 fake_og = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake_og)
 
-# ----------------------------------------------------------------------------- edge.memprobe
+# ----------------------------------------------------------------------------- edge.tools.memprobe
 
 
 def _fake_proc(monkeypatch, status: str | None, self_kib: int, children_kib: int, platform: str = "linux"):
@@ -42,8 +43,8 @@ def _fake_proc(monkeypatch, status: str | None, self_kib: int, children_kib: int
     usage = {0: self_kib, -1: children_kib}
     fake_resource = SimpleNamespace(RUSAGE_SELF=0, RUSAGE_CHILDREN=-1,
                                     getrusage=lambda who: SimpleNamespace(ru_maxrss=usage[who]))
-    monkeypatch.setattr(memprobe, "open", fake_open, raising=False)
-    monkeypatch.setattr(memprobe, "resource", fake_resource)
+    monkeypatch.setattr(measure, "open", fake_open, raising=False)
+    monkeypatch.setattr(measure, "resource", fake_resource)
     monkeypatch.setattr(sys, "platform", platform)
     return writes
 
@@ -53,31 +54,31 @@ STATUS = "Name:\tpython\nVmPeak:\t 900000 kB\nVmHWM:\t   5000 kB\nVmRSS:\t   300
 
 def test_peak_rss_is_vmhwm_in_kib_not_the_current_rss_or_ru_maxrss(monkeypatch):
     _fake_proc(monkeypatch, STATUS, self_kib=9000, children_kib=1)
-    assert memprobe.peak_rss_bytes() == 5000 * 1024
+    assert measure.peak_rss_bytes() == 5000 * 1024
 
 
 def test_peak_rss_falls_back_to_ru_maxrss_in_kib_on_linux_and_bytes_on_macos(monkeypatch):
     _fake_proc(monkeypatch, None, self_kib=7000, children_kib=1)
-    assert memprobe.peak_rss_bytes() == 7000 * 1024
+    assert measure.peak_rss_bytes() == 7000 * 1024
     _fake_proc(monkeypatch, "Name:\tpython\nVmRSS:\t 3000 kB\n", self_kib=7000, children_kib=1)  # no VmHWM line
-    assert memprobe.peak_rss_bytes() == 7000 * 1024
+    assert measure.peak_rss_bytes() == 7000 * 1024
     _fake_proc(monkeypatch, None, self_kib=7000, children_kib=1, platform="darwin")
-    assert memprobe.peak_rss_bytes() == 7000
+    assert measure.peak_rss_bytes() == 7000
 
 
 def test_peak_rss_counts_the_largest_child_only_when_asked(monkeypatch):
     _fake_proc(monkeypatch, STATUS, self_kib=9000, children_kib=8000)
-    assert memprobe.peak_rss_bytes() == 5000 * 1024
-    assert memprobe.peak_rss_bytes(children=True) == 8000 * 1024
+    assert measure.peak_rss_bytes() == 5000 * 1024
+    assert measure.peak_rss_bytes(children=True) == 8000 * 1024
     _fake_proc(monkeypatch, STATUS, self_kib=9000, children_kib=10)
-    assert memprobe.peak_rss_bytes(children=True) == 5000 * 1024
+    assert measure.peak_rss_bytes(children=True) == 5000 * 1024
 
 
 def test_reset_peak_rss_writes_5_to_clear_refs_and_says_when_it_cannot(monkeypatch):
     writes = _fake_proc(monkeypatch, STATUS, 1, 1)
-    assert memprobe.reset_peak_rss() is True and writes == ["5"]
+    assert measure.reset_peak_rss() is True and writes == ["5"]
     _fake_proc(monkeypatch, None, 1, 1)  # no /proc (macOS) or not writable
-    assert memprobe.reset_peak_rss() is False
+    assert measure.reset_peak_rss() is False
 
 
 class SeamCodec:
@@ -135,7 +136,7 @@ def test_memprobe_main_takes_the_json_from_argv_or_stdin(monkeypatch, capsys):
     assert memprobe.main([]) == 0
     assert json.loads(capsys.readouterr().out) == {"got": {"model_dir": "s", "context": 9, "k": 0}}
 
-# ----------------------------------------------------------------------------- edge.peer
+# ----------------------------------------------------------------------------- edge.tools.peer
 
 
 def _worker(tmp_path, body: str) -> str:
@@ -186,7 +187,7 @@ def test_peer_close_kills_a_worker_that_does_not_exit_and_closes_its_files(tmp_p
     ('sys.stderr.write("x" * 2000 + " the last words")\nsys.exit(3)\n',
      "the peer worker exited with code 3: xxx"),
     ('print(json.dumps({"error": "cannot load it"}), flush=True)\n', "cannot load it"),
-    ('print("[1, 2]", flush=True)\n', "printed '[1, 2]', not edge/peer_genai.py's protocol"),
+    ('print("[1, 2]", flush=True)\n', "printed '[1, 2]', not edge/tools/peer_genai.py's protocol"),
     ('print(json.dumps({"version": "1"}), flush=True)\n', "did not say it was ready"),
 ])
 def test_peer_start_problems_are_one_peer_error(tmp_path, body, needle):
@@ -230,7 +231,7 @@ def test_peer_worker_gone_or_failing_a_request_is_a_peer_error(tmp_path):
         p.run([1, 2], 4, "genai")
     p.close()
 
-# ----------------------------------------------------------------------------- edge.peer_genai (the worker)
+# ----------------------------------------------------------------------------- edge.tools.peer_genai (the worker)
 
 
 @pytest.mark.parametrize("config, want", [
@@ -273,7 +274,7 @@ def test_generate_splits_prefill_and_decode_time(monkeypatch):
 DRIVER = """
 import json, sys
 import onnxruntime_genai as og
-from edge import peer_genai
+from edge.tools import peer_genai
 
 class Model:
     def __init__(self, cfg):
@@ -300,7 +301,7 @@ def test_worker_protocol_keeps_library_output_off_stdout_and_reports_failures_pe
     overlay = json.loads(r.stderr.split("OVERLAY ")[1].splitlines()[0])
     assert overlay[0]["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 3
 
-# ----------------------------------------------------------------------------- edge.soak
+# ----------------------------------------------------------------------------- edge.tools.soak
 
 
 class FakeChat:

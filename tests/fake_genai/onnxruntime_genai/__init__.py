@@ -1,4 +1,4 @@
-"""A stand-in for onnxruntime-genai's Python API (the part edge/peer_genai.py uses), for edge-bench's peer tests.
+"""A stand-in for onnxruntime-genai's Python API (the part edge/tools/peer_genai.py uses), for edge-bench's peer tests.
 `answer` is its whole behaviour: greedy "decoding" starts from the sum of the prompt's ids and follows a fixed
 map; the n-gram mode changes the third token (as the real one changes answers when activations are quantized).
 FAKE_GENAI_FAIL_AFTER=n makes the n+1-th generator raise; FAKE_GENAI_EOS_AFTER=k ends answers after k tokens with

@@ -1,4 +1,4 @@
-"""A stand-in for llama-cpp-python's `Llama` (the part edge/peer_llama.py uses), for edge-bench's llama.cpp peer
+"""A stand-in for llama-cpp-python's `Llama` (the part edge/tools/peer_llama.py uses), for edge-bench's llama.cpp peer
 tests. `answer` is its whole behaviour: greedy "decoding" starts from the sum of the prompt's ids and follows a fixed
 map, endlessly, as Llama.generate does (the caller stops it). It insists on what a fair greedy run needs: temperature
 0, top-k 1, no penalties, and a reset cache before every prompt (generate would otherwise reuse a shared prefix).

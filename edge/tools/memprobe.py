@@ -1,14 +1,14 @@
-"""One memory measurement in a fresh process: `python -m edge.memprobe '{json}'` (or the JSON on stdin) loads a model with a KV cache sized
+"""One memory measurement in a fresh process: `python -m edge.tools.memprobe '{json}'` (or the JSON on stdin) loads a model with a KV cache sized
 to the run, fills it to `context` tokens, decodes with a fixed draft length, and prints one JSON line with its own
 peak RSS (ru_maxrss of this process only, so every point is isolated) next to the footprint model's prediction for
 exactly this run. `edge-profile` runs one of these per (context, K) point."""
 from __future__ import annotations
 
 import json
-import os
-import resource
 import sys
 import time
+
+from ..measure import peak_rss_bytes, rss_bytes
 
 
 # a unit of ordinary prose, well over 64 tokens, for when no prompt file is given
@@ -18,36 +18,6 @@ DEFAULT_UNIT = ("Speculative decoding drafts several tokens cheaply and lets the
                 "model's own choice and nothing is lost. The extra memory it needs comes from the draft tokens' "
                 "cache slots, their logits, and whatever state the drafter keeps, and on a small device that "
                 "memory decides whether the model runs at all. ")
-
-
-def peak_rss_bytes(children: bool = False) -> int:
-    """Peak RSS of this process: VmHWM on Linux (this process image alone; ru_maxrss would also carry the parent's
-    RSS at fork time across exec), ru_maxrss elsewhere. children=True: or the largest finished child's, if larger."""
-    kib = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib
-    try:
-        with open("/proc/self/status") as f:
-            own = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        pass
-    return max(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * kib) if children else own
-
-
-def reset_peak_rss() -> bool:
-    """Start a new peak: on Linux, VmHWM drops to the current RSS ("5" to /proc/self/clear_refs), so the next
-    `peak_rss_bytes` is the peak since now. False where that is not possible (then a peak is the process's)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def rss_bytes() -> int:
-    import psutil
-
-    return psutil.Process(os.getpid()).memory_info().rss
 
 
 def filler_text(codec, n: int, unit: str) -> str:
@@ -72,7 +42,7 @@ def measure(model_dir: str, context: int, k: int, drafter: str = "lookup", decod
     `text`: the unit the prompt repeats; longer than k tokens, so prompt lookup finds spans of k tokens to draft."""
     from memory import Calibration, Speculation, predict_peak
 
-    from .engine import Engine
+    from ..engine import Engine
 
     after_imports = rss_bytes()
     kind = drafter if k else "none"

@@ -1,6 +1,6 @@
 """Memory soak: many short chat turns on one engine, RSS against the planner's prediction, drafter state bounds.
 
-    python -m edge.soak --turns 500 --json soak.json          # the embedded default model
+    python -m edge.tools.soak --turns 500 --json soak.json          # the embedded default model
 
 Workload (why this shape): chats of `--group` turns (default 20) with short answers (`--max-tokens`, default 12),
 then `Chat.reset(keep_drafter_state=True)`. Each turn prefills only its new message (prefix reuse), so 500 turns
@@ -22,10 +22,10 @@ from pathlib import Path
 
 from memory.footprint import recycling_bytes
 
-from .cli import non_negative_int, peak_rss_mb, positive_int
-from .engine import DRAFTERS
-from .files import unwritable
-from .memprobe import rss_bytes
+from ..args import non_negative_int, positive_int
+from ..engine import DRAFTERS
+from ..files import unwritable
+from ..measure import peak_rss_mb, rss_bytes
 
 QUESTIONS = [
     "Name a river in Europe.", "What is 7 times 8?", "Give me a synonym for quick.", "Who wrote Hamlet?",
@@ -64,7 +64,7 @@ def predicted_mb(engine) -> dict:
     """The planner's predicted peak for this engine at its full context (and for plain decoding)."""
     from memory.planner import fullest, plain_call_rows
 
-    from .planning import make_plan, profile_for
+    from ..planning import make_plan, profile_for
 
     profile = engine.profile or profile_for(None)
     context = fullest(engine.context, plain_call_rows(profile, engine.target.min_call))  # the engine's end of chat
@@ -124,7 +124,7 @@ def soak(engine, turns: int, max_tokens: int = 12, group: int = 20, interrupt_ev
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m edge.soak", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m edge.tools.soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", help="exported model directory (default: the embedded model)")
     ap.add_argument("--turns", type=positive_int, default=500, help="chat turns in all (default 500)")
     ap.add_argument("--max-tokens", type=positive_int, default=12, help="new tokens per answer (default 12)")
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     try:
         engine = edge.load(a.model_dir, drafter=a.drafter, threads=a.threads, context=a.context, device="host")
     except edge.EngineError as e:  # a ModelDirError too
-        print(f"edge.soak: error: {e}", file=sys.stderr)
+        print(f"edge.tools.soak: error: {e}", file=sys.stderr)
         return 2
     r = soak(engine, a.turns, a.max_tokens, a.group, a.interrupt_every, a.every, log=sys.stderr)
     if a.json:

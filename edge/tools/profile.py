@@ -7,7 +7,7 @@ Steps (--steps, default all):
               so every depth is tried (model-free drafters that fill trees on this export are left to priors)
   speed       tokens/s vs K (vs tree nodes where the export verifies trees exactly) and the planner's own choice,
               loaded through the calibration just written; interleaved per prompt, medians over --reps
-  memory      peak RSS vs context, plain and speculative: one fresh process per point (edge.memprobe; its own
+  memory      peak RSS vs context, plain and speculative: one fresh process per point (edge.tools.memprobe; its own
               peak RSS, so points are isolated) beside the footprint model's prediction for the same run; plus
               the planner's K and the longest K at --specmemo-context (extra memory of managed vs unmanaged)
   chat        (only when named) a --chat-turns edge-chat session, prompts piped in with /stats after each, under
@@ -33,9 +33,10 @@ import time
 from pathlib import Path
 
 from .bench import add_workload_args, read_workload
-from .cli import int_at_least, non_negative_int, positive_float, positive_int
-from .engine import DRAFTERS, MAX_DRAFT_LEN
-from .runner import MAX_CALL
+from ..args import int_at_least, non_negative_int, positive_float, positive_int
+from ..engine import DRAFTERS, MAX_DRAFT_LEN
+from ..measure import call_latency
+from ..runner import MAX_CALL
 
 STEPS = ("latency", "acceptance", "speed", "memory")
 EXTRA_STEPS = ("chat",)  # only when asked: a budgeted edge-chat session (see budget_chat)
@@ -168,36 +169,6 @@ class _Progress:
 
 
 # ---------------------------------------------------------------------------------------------- latency
-def call_latency(session, sizes: list[int], context: int, reps: int, prog=None) -> list[list[float]]:
-    """[[S, median ms], ...] of one call of S rows after `context` committed tokens (nothing is committed), for the
-    widths of `sizes` up to the first that does not fit. The widths take turns, one call each per round: a slow
-    spell of the host (another process, a frequency change) then lands on every width alike instead of making one
-    look cheaper than a narrower one."""
-    session.cache.trim(session.cache.length)
-    ids = [(7 * i) % 97 + 3 for i in range(context)]
-    session.prefill(ids)
-    fit = []
-    for s in sizes:
-        if session.cache.room() < s:
-            break
-        fit.append(s)
-    toks = {s: [(5 * i) % 89 + 3 for i in range(s)] for s in fit}
-    for s in fit:
-        session.forward(toks[s])  # warm-up: the arena grows to this width once
-    ts = {s: [] for s in fit}
-    for _ in range(reps):
-        for s in fit:
-            t = time.perf_counter()
-            session.forward(toks[s])
-            ts[s].append(1000 * (time.perf_counter() - t))
-    out = [[s, round(med(ts[s]), 3)] for s in fit]
-    if prog:
-        for s in fit:
-            prog.step(f"latency S={s}")
-    session.cache.trim(session.cache.length)
-    return out
-
-
 def sizes_at(sizes: list[int], context: int, slots: int) -> list[int]:
     """The call widths of `sizes` that fit beside `context` cached tokens in `slots` KV positions."""
     return [s for s in sizes if s + context <= slots]
@@ -206,7 +177,7 @@ def sizes_at(sizes: list[int], context: int, slots: int) -> list[int]:
 def measure_latency(engine, sizes, contexts: list[int], reps, prog) -> dict:
     """The calibration's latency section: the target's curve at each of `contexts` (the first: "target" and
     "context"; the rest: "target_at"), each drafter graph's at the first."""
-    from .runner import GraphSession
+    from ..runner import GraphSession
 
     m = engine.manifest
     context = contexts[0]
@@ -239,7 +210,7 @@ def measure_acceptance(engine, items, k: int, k_model: int, max_tokens: int, pro
     from memory.acceptance import AcceptanceStats
     from memory.planner import DEFAULT_PRIORS
 
-    from .engine import ContextFull
+    from ..engine import ContextFull
 
     out, counters = {}, {}
     kinds = chain_kinds(engine)
@@ -344,11 +315,11 @@ def summarize_speed(runs: dict[str, list[float | None]]) -> dict:
 # ---------------------------------------------------------------------------------------------- memory
 def memory_point(model_dir, context: int, k: int, drafter: str, threads: int, text: str,
                  calibration: dict | None = None, timeout: float = 600) -> dict:
-    """One `edge.memprobe` run in a fresh process → its JSON (measured peak RSS and the model's prediction)."""
+    """One `edge.tools.memprobe` run in a fresh process → its JSON (measured peak RSS and the model's prediction)."""
     args = dict(model_dir=str(model_dir), context=context, k=k, drafter=drafter, threads=threads, text=text,
                 calibration=calibration)
-    r = subprocess.run([sys.executable, "-m", "edge.memprobe"], input=json.dumps(args), capture_output=True,
-                       text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    r = subprocess.run([sys.executable, "-m", "edge.tools.memprobe"], input=json.dumps(args), capture_output=True,
+                       text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]  # its error leads the message
         raise RuntimeError(f"memory probe at context {context}, K={k} failed: {last}\n{r.stderr[-2000:]}")
@@ -432,9 +403,9 @@ def main(argv=None) -> int:
 
     from memory.footprint import Calibration
 
-    from .files import unwritable_dir
-    from .manifest import load_manifest
-    from .planning import default_calibration_path, model_identity, profile_for
+    from ..files import unwritable_dir
+    from ..manifest import load_manifest
+    from ..planning import default_calibration_path, model_identity, profile_for
 
     t_start = time.time()
     out = Path(a.out)
@@ -542,7 +513,7 @@ def main(argv=None) -> int:
             del eng
         timer["speed"], t = round(time.time() - t, 1), time.time()
         if "memory" in steps:
-            mcal = {"memory": cal["memory"]} if "memory" in cal else None  # what edge.memprobe predicts with
+            mcal = {"memory": cal["memory"]} if "memory" in cal else None  # what edge.tools.memprobe predicts with
             pts = []
             for c in contexts:
                 for k in mem_ks:
@@ -614,7 +585,7 @@ def main(argv=None) -> int:
 def _earlier_sections(path: Path, model: dict, measuring: set[str]) -> dict:
     """The calibration sections (latency, acceptance, memory) an earlier run in this --out directory measured for
     the same export and this run does not re-measure."""
-    from .planning import CalibrationError, load_calibration
+    from ..planning import CalibrationError, load_calibration
 
     if not path.is_file():
         return {}
@@ -636,12 +607,12 @@ def _running_step(steps: list[str], timer: dict) -> str:
 
 def _chat_cli(model_dir, budget: float, context: int, calibration, threads: int, stdin: str,
               max_tokens: int) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "edge.cli", "--model", str(model_dir), "--budget-mb", f"{budget:.1f}",
+    args = [sys.executable, "-m", "edge.chat", "--model", str(model_dir), "--budget-mb", f"{budget:.1f}",
             "--context", str(context), "--max-tokens", str(max_tokens), "--threads", str(threads)]
     if calibration is not None:
         args += ["--calibration", str(calibration)]
     return subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
 
 
 def _json_objects(text: str) -> list[dict]:
@@ -678,8 +649,8 @@ def budget_chat(model_dir, items, turns: int, context: int, max_tokens: int, bud
     learnt from a first, unconstrained pass (greedy decoding is lossless, so both passes say the same)."""
     from memory.planner import min_budget_speculative
 
-    from .manifest import load_manifest
-    from .planning import capabilities, expected_min_call, plan_report, profile_for
+    from ..manifest import load_manifest
+    from ..planning import capabilities, expected_min_call, plan_report, profile_for
 
     m = load_manifest(model_dir, verify="none")
     context = min(context, m.target.max_len)  # a smaller export: as much as it holds (edge-chat refuses more)

@@ -22,17 +22,18 @@ import os
 import sys
 import time
 
-if __package__:  # imported as edge.peer_genai (the tests)
-    from .memprobe import peak_rss_bytes, reset_peak_rss
+if __package__:  # imported as edge.tools.peer_genai (the tests)
+    from ..measure import peak_rss_bytes, reset_peak_rss
     from .peer_protocol import open_protocol, serve, worker_args
 else:  # run as a script in the peer's own Python, which has no edgespec
     _HERE = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, _HERE)
-    from memprobe import peak_rss_bytes, reset_peak_rss
+    _EDGE = os.path.dirname(_HERE)
+    sys.path[:0] = [_HERE, _EDGE]
+    from measure import peak_rss_bytes, reset_peak_rss
     from peer_protocol import open_protocol, serve, worker_args
 
-    # then edge/ leaves the path: its profile.py, text.py, ... would shadow modules the runtime imports
-    sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != _HERE]
+    # then both leave the path: edge/'s text.py, kv.py, ... would shadow modules the peer runtime imports
+    sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) not in (_HERE, _EDGE)]
 
 # its n-gram speculation as ../shared/peers/README.md measured it (size 3, up to 10 draft tokens)
 NGRAM = {"ngram_size": 3, "max_draft_tokens": 10}

@@ -1,5 +1,5 @@
 """edge-bench's side of the peer runtimes: each runs in a Python process of its own (onnxruntime-genai in
-edge/peer_genai.py, llama.cpp in edge/peer_llama.py), fed the token ids edgespec's own template gives, so every
+edge/tools/peer_genai.py, llama.cpp in edge/tools/peer_llama.py), fed the token ids edgespec's own template gives, so every
 runtime answers the same prompts in one interleaved run, and each worker's peak RSS is its own.
 
 Mode names: a peer's greedy mode is `<runtime>-<label>` and its n-gram speculation `<runtime>-<label>-ngram`
@@ -171,7 +171,7 @@ class Peer:
         except ValueError:
             msg = None
         if not isinstance(msg, dict):
-            raise PeerError(f"the peer worker printed {line.strip()[:200]!r}, not edge/{self._worker}'s protocol")
+            raise PeerError(f"the peer worker printed {line.strip()[:200]!r}, not edge/tools/{self._worker}'s protocol")
         if "error" in msg:
             raise PeerError(msg["error"])
         return msg

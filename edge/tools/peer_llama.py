@@ -6,7 +6,7 @@ It runs in its own Python (`--llama-python`, a venv with `pip install llama-cpp-
 imports only the standard library and llama_cpp, and edge-bench starts it as a script:
 `PYTHON peer_llama.py MODEL.gguf --threads 2 --context 4096`. The GGUF runs as it ships (its own quantization).
 
-Protocol, one JSON object per line, as edge/peer_genai.py's: first out {"ready": version, "peak_rss_mb"}; then
+Protocol, one JSON object per line, as edge/tools/peer_genai.py's: first out {"ready": version, "peak_rss_mb"}; then
 for each line in {"ids": [...], "max_new": N, "mode": "greedy", "stop": [...]} one line out {"tokens", "n_gen",
 "prefill_s", "decode_s", "peak_rss_mb"} or {"error": text}. Greedy is `Llama.generate(ids, temp=0, top_k=1)` with
 no penalties. `tokens` leave the end token out; `n_gen` counts it, as edgespec counts its own. Prefill is the time
@@ -20,17 +20,18 @@ import os
 import sys
 import time
 
-if __package__:  # imported as edge.peer_llama (the tests)
-    from .memprobe import peak_rss_bytes, reset_peak_rss
+if __package__:  # imported as edge.tools.peer_llama (the tests)
+    from ..measure import peak_rss_bytes, reset_peak_rss
     from .peer_protocol import open_protocol, serve, worker_args
 else:  # run as a script in the peer's own Python, which has no edgespec
     _HERE = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, _HERE)
-    from memprobe import peak_rss_bytes, reset_peak_rss
+    _EDGE = os.path.dirname(_HERE)
+    sys.path[:0] = [_HERE, _EDGE]
+    from measure import peak_rss_bytes, reset_peak_rss
     from peer_protocol import open_protocol, serve, worker_args
 
-    # then edge/ leaves the path: its profile.py, text.py, ... would shadow modules the runtime imports
-    sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) != _HERE]
+    # then both leave the path: edge/'s text.py, kv.py, ... would shadow modules the peer runtime imports
+    sys.path[:] = [p for p in sys.path if not p or os.path.abspath(p) not in (_HERE, _EDGE)]
 
 
 def generate(llm, ids: list[int], max_new: int, stop: set[int]) -> dict:

@@ -34,10 +34,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .engine import DRAFTERS, MAX_DRAFT_LEN, BadMessage, EngineError, normalize_messages
-from .manifest import ModelDirError
+from ..engine import DRAFTERS, MAX_DRAFT_LEN, BadMessage, EngineError, normalize_messages
+from ..manifest import ModelDirError
 
-log = logging.getLogger("edge.serve")
+log = logging.getLogger("edge.server")
 
 # A request body is held and parsed whole, and JSON parsing costs up to ~27 bytes of memory per body byte (a body
 # of `[{}, {}, ...]`); 1 MiB is ~60 times a prompt that fills a 4096-token context (--max-body-mb)
@@ -1008,7 +1008,7 @@ def _load_params() -> set[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .cli import add_engine_args
+    from ..args import add_engine_args
 
     ap = argparse.ArgumentParser(
         prog="edge-serve",
@@ -1133,7 +1133,7 @@ def main(argv=None) -> int:
     except (EngineError, ValueError) as e:  # ModelDirError is an EngineError
         print(f"edge-serve: error: {e}", file=sys.stderr)
         return 2
-    from .cli import chat_context_problem
+    from ..args import chat_context_problem
 
     problem = chat_context_problem(engine)
     if problem:

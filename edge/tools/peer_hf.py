@@ -7,7 +7,7 @@ is a Hugging Face checkpoint folder (config.json + safetensors); for the embedde
 with transformers 4.57:
 `AutoModelForCausalLM.from_pretrained(dir, gguf_file=f, dtype=torch.float32).save_pretrained(HF_DIR)`.
 
-Protocol, one JSON object per line, as edge/peer_genai.py's: first out {"ready": "transformers X, torch Y"}; then
+Protocol, one JSON object per line, as edge/tools/peer_genai.py's: first out {"ready": "transformers X, torch Y"}; then
 for each line in {"ids": [...], "max_new": N, "mode": "greedy", "stop": [...]} one line out {"tokens"} (the end
 token left out) or {"error": text}. Greedy is the argmax of every step's fp32 logits, with the model's KV cache,
 stopped at the model's end tokens or `stop`."""
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-if __package__:  # imported as edge.peer_hf (the tests)
+if __package__:  # imported as edge.tools.peer_hf (the tests)
     from .peer_protocol import open_protocol, serve, worker_args
 else:  # run as a script: then edge/ leaves the path, or its profile.py, text.py, ... would shadow modules torch and
     _HERE = os.path.dirname(os.path.abspath(__file__))  # transformers import

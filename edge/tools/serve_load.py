@@ -1,12 +1,12 @@
 """A bounded load test for a running edge-serve on this machine: C concurrent clients × N chat requests each.
 
-    python -m edge.serve_load --url http://127.0.0.1:8080 --concurrency 4 --requests 20 --max-tokens 16 --json out.json
+    python -m edge.tools.serve_load --url http://127.0.0.1:8080 --concurrency 4 --requests 20 --max-tokens 16 --json out.json
 
 Prints one JSON object: status counts (200 answered, 503 rejected by the bounded queue, anything else), lost
 requests (no HTTP answer at all), and latency percentiles of the answered ones. Clients start together and stop
 after their N requests; only loopback addresses are accepted (the server is local).
 
-    python -m edge.serve_load --turns 10      # one chat resending its history: prompt tokens prefilled per turn
+    python -m edge.tools.serve_load --turns 10      # one chat resending its history: prompt tokens prefilled per turn
 """
 from __future__ import annotations
 
@@ -140,7 +140,7 @@ def run_conversation(url: str, turns: int = 10, max_tokens: int = 48, timeout: f
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m edge.serve_load", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m edge.tools.serve_load", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8080",
                     help="edge-serve base URL, loopback only (default http://127.0.0.1:8080)")
     ap.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default 4)")

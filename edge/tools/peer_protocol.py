@@ -1,4 +1,4 @@
-"""The line protocol every edge-bench worker speaks (edge/peer_genai.py, peer_llama.py, peer_hf.py): the same
+"""The line protocol every edge-bench worker speaks (edge/tools/peer_genai.py, peer_llama.py, peer_hf.py): the same
 command line, and one JSON object per line on a private copy of stdout, so whatever a library prints goes to
 stderr instead of into the protocol. Standard library only: the workers run in other Pythons."""
 from __future__ import annotations  # the peer's Python may be older than ours

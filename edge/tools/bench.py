@@ -34,14 +34,14 @@ import sys
 import time
 from pathlib import Path
 
-from .cli import int_at_least, non_negative_int, peak_rss_mb, positive_int, was_interrupted
-from .engine import ContextFull, EngineError
-from .files import unwritable, write_atomic
-from .memprobe import reset_peak_rss
+from ..args import int_at_least, non_negative_int, positive_int, was_interrupted
+from ..engine import ContextFull, EngineError
+from ..files import unwritable, write_atomic
+from ..measure import peak_rss_mb, reset_peak_rss
 from .peer import (HF_WORKER, RUNTIMES, Peer, PeerError, PeerSpec, gguf_file_problem, is_peer_mode,
                    model_dir_problem, parse_peer_models, peer_reference)
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "workloads" / "public.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "public.jsonl"
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -498,7 +498,7 @@ def main(argv=None) -> int:
 def _main(a) -> int:
     import edge
 
-    from .engine import DRAFTERS, GenerationParams
+    from ..engine import DRAFTERS, GenerationParams
 
     modes = list(dict.fromkeys(m.strip() for m in a.modes.split(",") if m.strip()))
     try:
@@ -651,7 +651,7 @@ def _reference_cache_path(a) -> Path:
 
 def _reference_answers(a, engine, items: list[dict]) -> tuple[dict, dict]:
     """transformers' fp32 greedy answer to each item's first turn (same ids and token budget as every runtime's),
-    from the cache or computed once in a worker process (edge/peer_hf.py) and cached: (id -> tokens, info)."""
+    from the cache or computed once in a worker process (edge/tools/peer_hf.py) and cached: (id -> tokens, info)."""
     path = _reference_cache_path(a)
     try:
         cache = json.loads(path.read_text()).get("answers", {})

@@ -1,0 +1,117 @@
+"""What the command-line tools share: argparse types that refuse bad values before a model loads, the engine flags
+edge-chat and edge-serve both take, the start-up check of a chat's context, and Ctrl-C detection."""
+from __future__ import annotations
+
+import argparse
+
+from .engine import DEFAULT_CONTEXT, DRAFTERS
+
+
+def int_at_least(minimum: int, maximum: int | None = None):
+    """argparse type: a whole number >= minimum (and <= maximum, if given)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < minimum or (maximum is not None and n > maximum):
+            raise argparse.ArgumentTypeError(f"{n} must be at least {minimum}" if maximum is None else
+                                             f"{n} must be in [{minimum}, {maximum}]")
+        return n
+    parse.__name__ = ("positive_int" if minimum == 1 else f"int_at_least_{minimum}") if maximum is None else \
+        f"int_in_{minimum}_{maximum}"  # argparse names it in errors
+    return parse
+
+
+positive_int, non_negative_int = int_at_least(1), int_at_least(0)
+
+
+def float_where(ok, what: str, name: str):
+    """argparse type: a number x with ok(x) (NaN fails every comparison, so it never passes); `what` completes
+    "must be …" in the error, `name` is what argparse calls the type."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not ok(x):
+            raise argparse.ArgumentTypeError(f"{text} must be {what}")
+        return x
+    parse.__name__ = name
+    return parse
+
+
+positive_float = float_where(lambda x: 0 < x < float("inf"), "a positive number", "positive_float")
+non_negative_float = float_where(lambda x: 0 <= x < float("inf"), "a finite number >= 0", "non_negative_float")
+unit_fraction = float_where(lambda x: 0 < x <= 1, "in (0, 1]", "unit_fraction")  # a probability mass (top-p)
+
+
+def non_empty(text: str) -> str:
+    """argparse type: a non-empty string."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def messages(prompt: str, system: str | None = None) -> list[dict]:
+    """One question as chat messages, after the --system prompt if there is one."""
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+
+
+def chat_context_problem(engine, system: str | None = None) -> str | None:
+    """Why the loaded engine cannot hold a chat at all (its context is shorter than an empty question, with the
+    chat template and the system prompt, plus one answer token), or None. edge-chat and edge-serve refuse such a
+    --context at start instead of refusing every question."""
+    from .errors import EngineError
+
+    try:
+        empty = len(engine.encode(messages("", system)))
+    except EngineError as e:  # the chat template refuses or fails on a plain question: say so at start
+        return str(e)
+    if engine.context > empty:
+        return None
+    with_system = " and the system prompt" if system else ""
+    return (f"--context {engine.context} cannot hold a chat: an empty question is already {empty} tokens with the "
+            f"chat template{with_system}; short exchanges need {empty + 64} or more (default "
+            f"{min(DEFAULT_CONTEXT, engine.manifest.target.max_len)})")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The flags that become `edge.load` keywords (drafter, threads, context, device, budget, calibration,
+    simulate), in their own help group; edge-chat and edge-serve both take them."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--drafter", choices=list(DRAFTERS), default="auto",
+                       help="speculative drafter: lookup = prompt/history n-gram lookup, recycling = Token Recycling "
+                            "(the target's own top-k successors), hybrid = each step the lookup span or the recycling "
+                            "chain, whichever is expected to gain more per millisecond, model = the export's drafter "
+                            "graph (early-exit, or a small checkpoint: edge-export --drafter-checkpoint), none = "
+                            "plain decoding (the lossless reference), auto = chosen from what the export measured; "
+                            "with --device/--budget-mb the memory plan chooses (default auto)")
+    group.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
+    group.add_argument("--context", type=positive_int,
+                       help="context window in tokens (default 4096, or the export's maximum if that is smaller)")
+    group.add_argument("--device", help="device profile for the memory planner: host, laptop-cpu-16gb, "
+                                        "nvidia-laptop-gpu-8gb, apple-m3-16gb, snapdragon-x-npu, intel-core-ultra-npu, "
+                                        "android-phone-8gb, or a profile JSON path")
+    group.add_argument("--budget-mb", type=positive_float,
+                       help="memory budget in MB; the planner picks drafter and draft length that fit and shrinks "
+                            "them as the chat grows")
+    group.add_argument("--calibration", metavar="JSON",
+                       help="edge-profile's calibration.json for the planner (measured latency, acceptance, memory "
+                            "baseline); default, when the planner runs on the host profile (--budget-mb without "
+                            "--device, or --device host): the one `edge-profile --install` left for this model, if any")
+    group.add_argument("--simulate", action="store_true",
+                       help="run a device profile whose execution provider is not installed on the CPU (same budget "
+                            "and shape limits)")
+
+
+def was_interrupted(e: BaseException) -> bool:
+    """Ctrl-C, or an import that failed because Ctrl-C hit it (onnxruntime's module init re-raises it as
+    ImportError)."""
+    seen = set()
+    while e is not None and id(e) not in seen:  # a chain may loop back on itself
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
