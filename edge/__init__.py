@@ -10,14 +10,18 @@ import numbers
 import os
 from pathlib import Path
 
-from .engine import (Chat, Chunk, ContextFull, Engine, EngineBusy, EngineError, GenerationParams, GenerationResult,
-                     Stats)
+from .engine import Chat, Chunk, ContextFull, Engine, EngineBusy, GenerationParams, GenerationResult, Stats
+from .errors import (BudgetError, CacheFull, CalibrationError, EngineError, ModelOutputError, PlanError, ProfileError,
+                     ProviderUnavailable)
 from .files import unwritable_dir
 from .manifest import ModelDirError
 from .text import ChatTemplateError
 
-__all__ = ["load", "Engine", "Chat", "Chunk", "GenerationParams", "GenerationResult", "Stats", "EngineError",
-           "EngineBusy", "ContextFull", "ModelDirError", "ChatTemplateError", "home", "default_model_dir", "__version__"]
+__all__ = ["load", "Engine", "Chat", "Chunk", "GenerationParams", "GenerationResult", "Stats", "home",
+           "default_model_dir", "__version__",
+           # errors: every one an EngineError
+           "EngineError", "EngineBusy", "ContextFull", "ModelDirError", "ChatTemplateError", "BudgetError", "PlanError",
+           "ProfileError", "ProviderUnavailable", "CalibrationError", "CacheFull", "ModelOutputError"]
 
 DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
 
@@ -89,14 +93,9 @@ def load(model_dir: str | os.PathLike | None = None, *, drafter: str = "auto", d
     d = Path(model_dir) if model_dir is not None else ensure_default_model(progress)
     profile = None
     if device is not None or budget_mb is not None or calibration is not None:
-        from devices import ProfileError, ProviderUnavailable
+        from .planning import profile_for
 
-        from .planning import CalibrationError, profile_for
-
-        try:
-            profile = profile_for(device, simulate, calibration, d)
-        except (ProfileError, ProviderUnavailable, CalibrationError) as e:
-            raise EngineError(str(e)) from e
+        profile = profile_for(device, simulate, calibration, d)  # ProfileError, CalibrationError: EngineErrors
     providers = profile.providers if profile is not None else ("CPUExecutionProvider",)
     return Engine(d, drafter=drafter, threads=threads, context=context, providers=providers, profile=profile,
                   budget_mb=budget_mb, verify=verify)

@@ -2,10 +2,15 @@
 appends in place), and the committed length that says how much of it is real.
 
 A verify call writes its S candidate slots at [length, length + S) without committing them. Then:
-- `append(n)`  commits the first n of them (a chain: the accepted prefix),
-- `keep(idx)`  compacts a verified tree: slot length+idx[j] moves to length+j, then commits len(idx),
-- `trim(n)`    drops the last n committed tokens (rollback; nothing is copied or zeroed).
+- `append(n, ids)`  commits the first n of them (a chain: the accepted prefix),
+- `keep(idx, ids)`  compacts a verified tree: slot length+idx[j] moves to length+j, then commits len(idx),
+- `trim(n)`         drops the last n committed tokens (rollback; nothing is copied or zeroed).
 Stale slots past `length` are harmless: the attention bias never lets a query see them.
+
+The cache also owns the ids of its committed tokens (`tokens`), changed in the same step as `length`, so the two
+cannot disagree (an interrupted request leaves both where its last commit put them) and a new prompt re-uses the
+longest prefix the cache holds (`common_prefix`). A commit without ids (timing and probe calls) records -1s, which
+no prompt matches.
 """
 from __future__ import annotations
 
@@ -14,9 +19,7 @@ import numpy as np
 from memory.footprint import KV_SCRATCH_SLOTS as SCRATCH_SLOTS
 from memory.footprint import kv_allocated_slots
 
-
-class CacheFull(Exception):
-    pass
+from .errors import CacheFull, EngineError
 
 
 # the manifest's `kv_dtype` → the cache's element type ("int8": GroupQueryAttention quantizes each new K/V value
@@ -28,7 +31,7 @@ def kv_numpy_dtype(kv_dtype: str):
     try:
         return KV_DTYPES[kv_dtype]
     except KeyError:
-        raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}") from None
+        raise EngineError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}") from None
 
 
 class KVCache:
@@ -42,6 +45,7 @@ class KVCache:
                  reserve_all: bool = False):
         self.capacity = capacity
         self.length = 0
+        self.tokens: list[int] = []  # ids of the committed tokens: len(tokens) == length
         self._shape = (1, kv_heads, head_dim)
         self.dtype = np.dtype(dtype)
         self.slots = capacity if reserve_all else kv_allocated_slots(1, capacity)
@@ -90,16 +94,30 @@ class KVCache:
         if self.length + s > self.capacity:
             raise CacheFull(f"KV cache full: {self.length} + {s} tokens > capacity {self.capacity}")
 
-    def append(self, n: int) -> None:
+    def append(self, n: int, ids=None) -> None:
+        """Commit the first n pending slots, holding tokens `ids` (None: unknown)."""
         assert 0 <= n and self.length + n <= self.capacity, (n, self.length)
+        assert ids is None or len(ids) == n, (n, len(ids))
+        self.tokens += [-1] * n if ids is None else ids
         self.length += n
 
     def trim(self, n: int) -> None:
+        """Drop the last n committed tokens."""
         assert 0 <= n <= self.length, (n, self.length)
         self.length -= n
+        del self.tokens[self.length :]
 
-    def keep(self, indices) -> None:
-        """Commit the pending slots `indices` (ascending, relative to `length`) as consecutive tokens."""
+    def common_prefix(self, ids, limit: int | None = None) -> int:
+        """How many of `ids` (up to `limit`) the cache holds as its first tokens."""
+        have = self.tokens
+        lim = min(len(have), len(ids) if limit is None else limit)
+        n = 0
+        while n < lim and have[n] == ids[n]:
+            n += 1
+        return n
+
+    def keep(self, indices, ids=None) -> None:
+        """Commit the pending slots `indices` (ascending, relative to `length`) as consecutive tokens `ids`."""
         idx = np.asarray(indices, np.int64)
         n = len(idx)
         moved = np.nonzero(idx != np.arange(n))[0]
@@ -109,4 +127,4 @@ class KVCache:
             dst = self.length + np.arange(first, n)
             for a in self.arrays:
                 a[:, :, dst] = a[:, :, src]
-        self.append(n)
+        self.append(n, ids)

@@ -9,19 +9,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Mapping
 
-from devices import check_available, detect_host, load_profile
+from devices import ProfileError, ProviderUnavailable, check_available, detect_host, load_profile
 from memory.footprint import MB, Calibration
 from memory.planner import (CALIBRATION_SECTIONS, MAX_CHAIN, BudgetError, Latency, Plan, PlanError, candidates,
                             fullest, min_budget_plain, min_budget_speculative, plain_call_rows, plan)
 
+from .errors import CalibrationError, as_engine_error
 from .manifest import Manifest
 
 # what Latency.from_calibration reads of a manifest when only a calibration's own curves are checked
 _NO_DRAFTERS = SimpleNamespace(drafters=(), target=SimpleNamespace(stats={}, layers=1))
-
-
-class CalibrationError(ValueError):
-    """A calibration file that cannot be used; the message names the file and what is wrong."""
 
 
 def default_calibration_path(model_dir) -> Path:
@@ -84,7 +81,15 @@ def model_identity(manifest: Manifest) -> dict:
 def profile_for(device: str | None, simulate: bool = False, calibration=None, model_dir=None):
     """A device profile by name (or the detected host), checked for its execution provider, carrying a calibration:
     `calibration` (a path) if given, else for the host the one edge-profile --install left for `model_dir` (unless
-    it was measured on another export under the same directory name: then none)."""
+    it was measured on another export under the same directory name: then none). Errors are EngineErrors
+    (ProfileError, ProviderUnavailable, CalibrationError)."""
+    try:
+        return _profile_for(device, simulate, calibration, model_dir)
+    except (ProfileError, ProviderUnavailable) as e:
+        raise as_engine_error(e) from None
+
+
+def _profile_for(device, simulate, calibration, model_dir):
     from .manifest import load_manifest
 
     p = detect_host() if device in (None, "host") else load_profile(device)
@@ -148,8 +153,11 @@ def make_plan(manifest: Manifest, profile, context: int, budget_mb: float | None
     """The plan for this export. `drafter`: "auto" lets the planner choose among what the export can run; another
     name restricts it to that drafter or plain decoding."""
     caps = _drafter_caps(manifest, drafter, tree_exact)
-    return plan(profile, manifest, context, stats=stats, budget_mb=budget_mb, min_call=min_call, capacity=capacity,
-                sampling=sampling, **caps)
+    try:
+        return plan(profile, manifest, context, stats=stats, budget_mb=budget_mb, min_call=min_call,
+                    capacity=capacity, sampling=sampling, **caps)
+    except (BudgetError, PlanError) as e:  # as edge.errors' BudgetError / PlanError: EngineErrors
+        raise as_engine_error(e) from None
 
 
 def _drafter_caps(manifest: Manifest, drafter: str, tree_exact: bool | None = None) -> dict:

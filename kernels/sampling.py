@@ -20,6 +20,10 @@ import numpy as np
 _TOP_P_CANDIDATES = (512, 4096)
 
 
+class CorruptOutput(ValueError):
+    """The model's logits or probabilities cannot be a distribution (NaN, +inf, every token masked)."""
+
+
 def _check_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
     if not np.isfinite(temperature) or temperature < 0:
         raise ValueError(
@@ -38,13 +42,13 @@ def _check_logits(logits: np.ndarray) -> np.ndarray:
     row_max = logits.max(axis=-1)
     if np.isnan(row_max).any():
         rows = np.argwhere(np.isnan(np.atleast_1d(row_max)))[:, 0].tolist()
-        raise ValueError(f"logits contain NaN (rows {rows}); the model output is corrupt")
+        raise CorruptOutput(f"logits contain NaN (rows {rows}); the model output is corrupt")
     if np.isposinf(row_max).any():
         rows = np.argwhere(np.isposinf(np.atleast_1d(row_max)))[:, 0].tolist()
-        raise ValueError(f"logits contain +inf (rows {rows}); the model output is corrupt")
+        raise CorruptOutput(f"logits contain +inf (rows {rows}); the model output is corrupt")
     if np.isneginf(row_max).any():
         rows = np.argwhere(np.isneginf(np.atleast_1d(row_max)))[:, 0].tolist()
-        raise ValueError(
+        raise CorruptOutput(
             f"logits rows {rows} are all -inf: every token is masked, nothing can be sampled"
         )
     return row_max
@@ -238,7 +242,7 @@ def sample_from(probs: np.ndarray, rng: np.random.Generator) -> int:
     cdf = np.cumsum(probs, dtype=np.float64)
     total = cdf[-1]
     if not total > 0 or not np.isfinite(total):
-        raise ValueError(f"cannot sample: probabilities sum to {total!r}")
+        raise CorruptOutput(f"cannot sample: probabilities sum to {total!r}; the model output is corrupt")
     u = rng.random() * total
     # side="right": the first index whose cdf exceeds u; a zero-probability token has the same
     # cdf as its predecessor (or 0 at index 0), so it can never be the first to exceed u >= 0.
