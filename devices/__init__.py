@@ -17,8 +17,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
+from memory.footprint import PRECISIONS  # the weight precisions the footprint model prices
+
 DEVICE_CLASSES = ("cpu", "gpu", "npu")
-PRECISIONS = ("fp32", "fp16", "int8", "int4", "w8a8")
 ACTIVATION_DTYPES = ("float32", "float16")
 CPU_EP = "CPUExecutionProvider"
 HOST = "host"

@@ -14,7 +14,7 @@ from pathlib import Path, PureWindowsPath
 
 import numpy as np
 
-from memory.footprint import kv_bytes_per_token
+from memory.footprint import PRECISIONS, kv_bytes_per_token
 
 from .errors import EngineError
 from .files import write_atomic
@@ -42,7 +42,6 @@ MAX_WIDTH = 1 << 20  # hidden, intermediate
 MAX_VOCAB = 1 << 21
 MIN_MAX_LEN, MAX_MAX_LEN = 8, 1 << 24  # a graph's KV capacity: the exporters write at least 8 (their latency calls)
 MAX_FILE_BYTES = 1 << 48
-PRECISIONS = ("fp32", "fp16", "int8", "int4", "w8a8")
 
 
 class ModelDirError(EngineError):

@@ -31,11 +31,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edge.manifest import GRAPH_VERSION  # noqa: F401  (bumped with every change to what this builder writes)
 from kernels.postprocess import sampling_head
+from memory.footprint import PRECISIONS
 
 from .checkpoint import Checkpoint
 from .quant import block_sum_matrix, quantize_asymmetric, quantize_block_min, quantize_blockwise, unpack4
 
-PRECISIONS = ("fp32", "fp16", "int8", "int4", "w8a8")
 W8A8_KERNELS = ("u8s8", "u8u8")
 KV_CACHES = ("float32", "int8")
 SHARED_CONSTANT_MAX = 64  # elements: larger initializers (weights) are never requested twice by name

@@ -247,7 +247,7 @@ class Calibration:
     source: str = ("measured on this host (2-core x86, onnxruntime 1.31.1 CPU EP, 2 threads) on the embedded "
                    "SmolLM2-135M int4 export: RSS after imports, after session creation (KV subtracted), and after "
                    "single calls of S = 1..512 rows at 0..3000 past tokens; the embedding's fault-around windows from prefills "
-                  "of 1k tokens of varied vs repeated text (edge-profile memory runs, README)")
+                  "of 1k tokens of varied vs repeated text (edge-profile memory runs)")
 
     def __post_init__(self):
         if self.weights not in ("prepacked", "full"):
