@@ -44,10 +44,30 @@ class TextCodec:
         # control tokens: the added tokens marked special (the set transformers' split_special_tokens splits)
         self._control = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
         self._plain: dict[bool, Tokenizer] = {}
+        self.prefix = self._special_prefix()
 
     def encode(self, text: str) -> list[int]:
+        """Text as token ids, nothing added (a chat template places its own BOS)."""
         # a lone UTF-16 surrogate (JSON "\\ud800", a bad clipboard) is not text: U+FFFD, as a UTF-8 decoder would
         return self.tok.encode(_LONE_SURROGATE.sub("\ufffd", text), add_special_tokens=False).ids
+
+    def _special_prefix(self) -> list[int]:
+        """The ids the tokenizer's own rule puts before a text (its post-processor: BOS for Llama 2 and Gemma,
+        nothing for SmolLM2 or Qwen), as transformers' `tokenizer(text)` adds them."""
+        plain = self.tok.encode("a", add_special_tokens=False).ids
+        full = self.tok.encode("a", add_special_tokens=True).ids
+        n = len(plain)
+        return next((full[:i] for i in range(len(full) - n + 1) if full[i : i + n] == plain), [])
+
+    def with_prefix(self, ids: list[int]) -> list[int]:
+        """`ids` after the tokenizer's prefix (`prefix`), unless they already start with it (typed by hand)."""
+        n = len(self.prefix)
+        return ids if not n or ids[:n] == self.prefix else self.prefix + ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt given as text, no chat template: encoded as the tokenizer's own rule says (BOS where it adds
+        one), as transformers' `tokenizer(text)` and llama.cpp do."""
+        return self.with_prefix(self.encode(text))
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
@@ -111,6 +131,11 @@ class TextCodec:
         the rendered prompt encoded whole (what transformers' apply_chat_template(tokenize=True) gives).
         `special_tokens_in_content=True`: control-token strings in messages become control tokens too (the
         rendered prompt encoded whole, whatever it holds), for callers that write them on purpose."""
+        if self._template_src is None:  # the plain "role: content" lines are a prompt as text
+            return self.with_prefix(self._encode_chat(messages, add_generation_prompt, special_tokens_in_content))
+        return self._encode_chat(messages, add_generation_prompt, special_tokens_in_content)
+
+    def _encode_chat(self, messages, add_generation_prompt, special_tokens_in_content) -> list[int]:
         if special_tokens_in_content or not self._control:
             return self.encode(self.render(messages, add_generation_prompt))
         # each control token found in message text is swapped for a marker that the template passes on as text
