@@ -4,6 +4,10 @@
     draft(budget)     → Draft(tokens, parents, q): up to `budget` guesses after the root
     accept(tokens)    the tokens the target emitted this step (accepted drafts + its own next token)
 
+Drafters whose drafts cost no model call also offer `chains(budget)`: candidate chains the engine prices token by
+token (`edge.draftlen`). `DRAFTER_KINDS` is the registry: each drafter's name, default draft length and what it
+needs of the target.
+
 `parents[i]` is the index of node i's parent in the verify call, where node 0 is the root and draft token i is
 node i+1; a chain has parents = [0, 1, 2, …]. `q[i]` is the distribution node i+1 was drafted from (target
 vocabulary), or None for deterministic drafters (lookup), which verification then treats as point masses.
@@ -11,11 +15,13 @@ vocabulary), or None for deterministic drafters (lookup), which verification the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from kernels.sampling import process_logits, sample_from
-from memory.footprint import PREFILL_CHUNK, RECYCLING_PAIR_SLOTS, recycling_id_bytes, recycling_pair_key_bytes
+from memory.footprint import (DRAFTERS, PREFILL_CHUNK, RECYCLING_PAIR_SLOTS, recycling_id_bytes,
+                              recycling_pair_key_bytes)
 
 
 _CHAIN_PARENTS = np.arange(256, dtype=np.int64)
@@ -60,6 +66,54 @@ class Draft:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """The three verbs every drafter speaks."""
+
+    def begin(self, context: list[int]) -> None: ...
+
+    def draft(self, budget: int) -> "Draft": ...
+
+    def accept(self, tokens: list[int]) -> None: ...
+
+
+@runtime_checkable
+class FreeDrafter(Drafter, Protocol):
+    """A drafter whose drafts cost no model call: it offers candidate chains to price token by token."""
+
+    def chains(self, budget: int) -> list["Draft"]: ...
+
+
+@runtime_checkable
+class Observer(Protocol):
+    """A drafter fed by every speculative target call (its candidates after each verified token)."""
+
+    def observe(self, tokens, top_ids, parents=None, before: int | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """What the engine needs to know of a drafter before running it."""
+    name: str
+    default_len: int  # draft tokens (chain) or nodes (tree) per call when the request sets no draft_len
+    free: bool  # drafts cost no model call: chains are cut token by token (`edge.draftlen.DraftLength.draft_free`)
+    needs_topk: bool  # reads the target's on-graph top-k (Token Recycling's candidates)
+    trees: bool  # drafts trees where the target verifies trees exactly (else chains)
+
+
+# the memory model's drafter names (memory.footprint.DRAFTERS) are the registry's keys, in its order
+DRAFTER_KINDS = {k.name: k for k in (
+    DrafterKind("none", 0, free=False, needs_topk=False, trees=False),
+    DrafterKind("lookup", 16, free=True, needs_topk=False, trees=False),
+    DrafterKind("recycling", 8, free=True, needs_topk=True, trees=True),
+    DrafterKind("hybrid", 16, free=True, needs_topk=True, trees=True),
+    DrafterKind("model", 6, free=False, needs_topk=False, trees=False),
+)}
+assert tuple(DRAFTER_KINDS) == DRAFTERS, (tuple(DRAFTER_KINDS), DRAFTERS)
+# what a user may ask for: "auto" lets the engine (or its memory plan) choose
+DRAFTER_CHOICES = ("auto", "hybrid", "recycling", "model", "lookup", "none")
 
 
 class NoDrafter:
@@ -124,6 +178,9 @@ class LookupDrafter:
                 return Draft.chain(h[pos : pos + budget], source=f"lookup:{self._match_class(pos, n)}")
         return Draft.empty()
 
+    def chains(self, budget: int) -> list[Draft]:
+        return [self.draft(budget)]
+
     def _match_class(self, pos: int, n: int) -> int:
         """The label's match length: n below max_ngram; at max_ngram the match is followed further back and
         classed by the largest of n, 4, 8, 16, 32 that it reaches. A span that has matched 30 tokens — a
@@ -165,25 +222,20 @@ class ModelDrafter:
         self.threshold = threshold
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.rng = rng
-        self.cached: list[int] = []  # tokens in the drafter's KV cache
         self.pending: list[int] = []  # committed by the target, not yet fed to the drafter
         self.drafted: list[int] = []
         self.fed = 0
 
     def begin(self, context) -> None:
         context = [int(t) for t in context]
-        n = 0
-        lim = min(len(context) - 1, len(self.cached))
-        while n < lim and context[n] == self.cached[n]:
-            n += 1
-        self.sess.cache.trim(self.sess.cache.length - n)
-        self.cached = self.cached[:n]
+        # the drafter's cache holds the ids it was fed (`_inputs`): the longest prefix of those is kept
+        cache = self.sess.cache
+        n = cache.common_prefix(self._inputs(context), len(context) - 1)
+        cache.trim(cache.length - n)
         self.pending = context[n:]
         # bulk-feed all but the last few pending tokens now, so draft() calls stay short
         if len(self.pending) > 1:
-            bulk = self.pending[:-1]
-            self.sess.prefill(self._inputs(bulk), chunk=self.prefill_chunk)
-            self.cached += bulk
+            self.sess.prefill(self._inputs(self.pending[:-1]), chunk=self.prefill_chunk)
             self.pending = self.pending[-1:]
         self.drafted = []
 
@@ -213,9 +265,9 @@ class ModelDrafter:
         budget = min(budget, max(0, self.sess.cache.room() - len(feed) - 1))
         self.fed = 0  # drafted tokens that went into the drafter cache
         for k in range(budget):
-            logits = self.sess.forward(self._inputs(feed), keep=1)[-1]
-            self.sess.cache.append(len(feed))
-            self.cached += feed
+            fed = self._inputs(feed)
+            logits = self.sess.forward(fed, keep=1)[-1]
+            self.sess.cache.append(len(fed), fed)
             if k > 0:
                 self.fed += 1
             tok, conf, q = self._dist(logits)
@@ -237,8 +289,6 @@ class ModelDrafter:
         keep = min(n_acc, self.fed)
         drop = self.fed - keep
         self.sess.cache.trim(drop)
-        if drop:
-            del self.cached[len(self.cached) - drop :]
         self.pending = self.pending + tokens[keep:]  # pending is [] after any draft() that fed the drafter
         self.drafted, self.fed = [], 0
 
@@ -387,6 +437,9 @@ class RecyclingDrafter:
             toks.append(tok)
             parents.append(0 if parent < 0 else where[parent] + 1)
         return Draft(np.asarray(toks, np.int64), np.asarray(parents, np.int64), source="recycling")
+
+    def chains(self, budget: int) -> list[Draft]:
+        return [self.draft(budget)]
 
     def accept(self, tokens) -> None:
         # adapt the tree template's per-rank priors: where in the root's candidate row, as the draft read it, did

@@ -2,8 +2,11 @@
 and the thin `generate` / `stream` / `Chat` wrappers around it.
 
 Invariant between steps: the target KV cache holds the context plus every emitted token except the last one (the
-"root"), which is the first token of the next verify call. `self.cached` mirrors the cache's token ids, so a new
-request (or chat turn) re-uses the longest common prefix and prefills only what is new.
+"root"), which is the first token of the next verify call. The cache owns its token ids, so a new request (or chat
+turn) re-uses the longest common prefix and prefills only what is new.
+
+The pieces the loop calls: `edge.draftlen` (how many tokens to draft, and what each step teaches), `edge.output`
+(EOS, max_tokens, stop strings, UTF-8 → chunks), `kernels` (accept/reject), `edge.kv` (commit and rollback).
 """
 from __future__ import annotations
 
@@ -14,33 +17,30 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import numpy as np
 
-from kernels.sampling import check_chosen, make_sampler, probs_from_top, process_logits
+from kernels.sampling import CorruptOutput, check_chosen, make_sampler, probs_from_top, process_logits
 from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
-from kernels.verify import scatter_trimmed, verify_greedy, verify_sampling
-
-from memory.acceptance import MEASURED_TOKEN_PRIORS, AcceptanceStats, TokenAcceptance
+from kernels.verify import verify_greedy, verify_sampling
 from memory.footprint import PREFILL_CHUNK, drafter_graph, top1_agreement
-from memory.planner import (DEFAULT_PRIORS, MAX_CHAIN, Latency, LatencyCurve, best_chain_length, best_prefix,
-                            fullest, plain_call_rows)
+from memory.planner import MAX_CHAIN, fullest, plain_call_rows
 
-from .drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, NoDrafter, RecyclingDrafter
-from .errors import EngineError  # re-exported: edge.EngineError, edge.engine.EngineError
+from .draftlen import DraftLength
+from .drafters import (DRAFTER_CHOICES, DRAFTER_KINDS, Draft, Drafter, HybridDrafter, LookupDrafter, ModelDrafter,
+                       NoDrafter, RecyclingDrafter)
+from .errors import BudgetError, EngineError, ModelOutputError, as_engine_error
 from .manifest import (VERIFY_LEVELS, ModelDirError, check_drafter, load_manifest, reexport_command,
                        require_drafter_graph)
-from .runner import HEAD_TOPK_MAX, HEAD_TOPK_NUCLEUS, GraphSession, open_session
-from .text import StreamDecoder, TextCodec
+from .output import AnswerText, Chunk
+from .runner import HEAD_TOPK_MAX, HEAD_TOPK_NUCLEUS, GraphSession, Output, open_session
+from .text import TextCodec
 
-DRAFTERS = ("auto", "hybrid", "recycling", "model", "lookup", "none")
+DRAFTERS = DRAFTER_CHOICES  # what a request may name (edge.drafters.DRAFTER_KINDS describes each)
 DEFAULT_CONTEXT = 4096  # tokens, when neither the caller nor a smaller export says otherwise
 MAX_DRAFT_LEN = 64  # draft tokens per call a request may ask for (draft_len)
 DEFAULT_MAX_TOKENS = 512  # answer length when a request sets none: the API, edge-chat and edge-serve alike
-# a drafter the adaptive length switched off is still tried with PROBE_K tokens every PROBE_EVERY steps, so its
-# acceptance estimate can recover when the text changes (a 3-row call costs ~1.15x a padded 1-token call here)
-PROBE_EVERY, PROBE_K = 8, 2
 
 
 def _is_int(v) -> bool:
@@ -155,14 +155,6 @@ class GenerationParams:
 
 
 @dataclass
-class Chunk:
-    text: str
-    token_ids: list[int]
-    drafted: int  # how many of token_ids were drafter tokens the target accepted
-    finish_reason: str | None = None
-
-
-@dataclass
 class Stats:
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens already in the KV cache (not prefilled again)
@@ -244,32 +236,15 @@ def collect(chunks: Iterator[Chunk], engine: "Engine", into: GenerationResult | 
     return r
 
 
-def token_labels(d: Draft, kind: str, others: Sequence[Draft] = ()) -> tuple[str, ...]:
-    """Acceptance labels of a free draft's tokens: what found each (`Draft.labels`, else its source, else the
-    drafter), "@1" for the first token and "@2+" for the others, plus, when the step has other candidate chains,
-    whether one of them drafted the same tokens up to and including this one ("/agree"), none had even the first
-    token ("/split"), or they agreed at first and parted — or the other chain ended — before this token ("/parted")."""
-    base = d.labels if d.labels is not None else (d.source or kind,) * len(d)
-    toks = d.tokens.tolist()
-    common = 0  # longest prefix any other candidate shares with this one
-    for o in others:
-        ot, n = o.tokens.tolist(), 0
-        while n < min(len(ot), len(toks)) and ot[n] == toks[n]:
-            n += 1
-        common = max(common, n)
-
-    def agreement(j: int) -> str:
-        return "" if not others else "/agree" if j < common else "/parted" if common else "/split"
-
-    return tuple(f"{b}@{'1' if j == 0 else '2+'}{agreement(j)}" for j, b in enumerate(base))
-
-
 class Engine:
+    """One loaded model: the target session and its KV cache, the drafters, the adaptive draft length and the memory
+    plan. `stream` / `generate` / `chat` run requests on it, one at a time."""
+
     def __init__(self, model_dir: str | Path, drafter: str = "auto", threads: int = 2, context: int | None = None,
                  providers=("CPUExecutionProvider",), verify: str = "fast", profile=None,
                  budget_mb: float | None = None):
-        if drafter not in DRAFTERS:
-            raise EngineError(f"drafter {drafter!r}: choose one of {', '.join(DRAFTERS)}")
+        if drafter not in DRAFTER_CHOICES:
+            raise EngineError(f"drafter {drafter!r}: choose one of {', '.join(DRAFTER_CHOICES)}")
         if not _is_int(threads) or threads < 1:
             raise EngineError(f"threads must be a whole number >= 1 (got {threads!r})")
         if context is not None and (not _is_int(context) or context < 1):
@@ -281,19 +256,7 @@ class Engine:
         self.manifest = m = load_manifest(self.model_dir, verify=verify)
         for g in m.drafters:  # a foreign or damaged drafter fails here, not on its first request
             check_drafter(self.model_dir, m, g)
-        tok = self.model_dir / m.tokenizer
-        if not tok.is_file():
-            raise ModelDirError(f"{tok}: tokenizer missing; re-run edge-export")
-        try:
-            self.codec = TextCodec(tok, m.chat_template, m.special_tokens.get("bos"),
-                                   tuple(m.special_tokens.get("eos") or ()))
-        except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
-            why = str(e).partition("\n")[0][:200]
-            raise ModelDirError(f"{tok}: tokenizer unreadable ({why}); re-run edge-export: "
-                                f"{reexport_command(self.model_dir, m.source.get('path'))}") from e
-        if self.codec.vocab_size > m.arch["vocab"]:
-            raise ModelDirError(f"{tok}: tokenizer has {self.codec.vocab_size} tokens but the model {m.arch['vocab']}; "
-                                "the tokenizer belongs to another model — re-export")
+        self.codec = _open_codec(self.model_dir, m)
         self.eos = set(self.codec.eos)
         self.threads, self.providers = threads, providers
         t = m.target
@@ -302,69 +265,70 @@ class Engine:
                               f"for at most {t.max_len}, or re-export with a larger --max-len")
         self.context = min(context or DEFAULT_CONTEXT, t.max_len)
         self.target = open_session(str(self.model_dir / t.file), m, t, self.context, threads, providers)
-        self.cached: list[int] = []
         self.last_stats: Stats | None = None  # the counters of the latest request, once one has run
         self.lookup = LookupDrafter()
         # fed by every speculative target call (not plain decoding); persists across turns. Trees only where the graph
         # verifies them exactly.
         self.recycling = RecyclingDrafter(m.arch["vocab"], chains_only=not self.target.tree_exact)
-        self._drafter_sess = None
-        self._drafter_graph = None  # which drafter graph the session runs
+        self._drafter_sess = None  # a model drafter's session, while requests use it
+        self._drafter_graph = None  # which drafter graph it runs
         self._id_map = None
         self._lock = threading.Lock()
-        self.default_drafter = self._resolve(drafter)
-        # adaptive draft length: online acceptance per drafter and measured call latency per call width
-        self.acceptance: dict[str, AcceptanceStats] = {}
-        # free drafts: acceptance per kind of drafted token (what found it, first or later, candidates agreeing)
-        self.token_acceptance = TokenAcceptance({**{k: a for k, (a, _) in DEFAULT_PRIORS.items()},
-                                                 **MEASURED_TOKEN_PRIORS})
-        self._unverified: list[Draft] = []  # this step's candidate chains that were not verified
-        # call time by width, per context bucket (the cached length's bit length): a wide call's cost grows with the
-        # cache each row reads, and a width timed in a long chat would otherwise price the next short one
-        self._calls_at: dict[int, dict[int, float]] = {}
-        self._call_ms: dict[int, float] = {}  # the current bucket's
         self.head_hits = self.head_misses = 0  # sampled rows whose p came from the on-graph head / from the logits
-        self._curves: dict[int, LatencyCurve] = {}  # reference call times by width, per context bucket
-        self._draft_ms = 0.0  # model drafter: ms per drafted token (EMA)
-        self._idle: dict[str, int] = {}  # steps since the last probe on which the adaptive length chose K = 0
         # memory planning: with a device profile or budget, the plan picks drafter and K and is re-made for every
         # request at the context it can reach; without, the drafter runs unconstrained
         self.profile, self.budget_mb, self.plan = profile, budget_mb, None
+        self.policy = DraftLength(lambda: self.manifest, lambda: self.target.cache.length, self.target.min_call,
+                                  lambda: getattr(self.profile, "calibration", None),
+                                  lambda: self._drafter_graph)
+        self.default_drafter = self._resolve(drafter)
         self._configured = drafter  # with a plan: the drafter it may choose ("auto": any), or plain decoding
         self._own = self.default_drafter  # what this engine runs unplanned (auto resolved)
         if profile is not None or budget_mb is not None:
             try:
                 self.plan = self._replan(self.context // 2)
-            except EngineError as e:
-                from memory.planner import BudgetError
+            except BudgetError as e:  # say which context the numbers are for: --plan defaults to the full one
+                raise as_engine_error(e, f"{e} (planned at load for half the {self.context}-token context, "
+                                         "re-planned as a chat grows; `edge-chat --plan --context "
+                                         f"{self.context}` shows the need at the full context)") from None
 
-                if not isinstance(e.__cause__, BudgetError):
-                    raise
-                # say which context the numbers are for: --plan defaults to the full one
-                raise EngineError(f"{e} (planned at load for half the {self.context}-token context, re-planned as a "
-                                  f"chat grows; `edge-chat --plan --context {self.context}` shows the need at the "
-                                  "full context)") from e.__cause__
+    @property
+    def cached(self) -> list[int]:
+        """The token ids in the target's KV cache (owned by the cache)."""
+        return self.target.cache.tokens
 
+    # ------------------------------------------------------------------ the memory plan
     def _replan(self, context: int, sampling: bool = False):
         """The best memory plan at `context` tokens, from the acceptance measured so far: the drafter this engine
-        runs and its draft tokens per call."""
-        from memory.planner import BudgetError, PlanError
-
+        runs and its draft tokens per call (BudgetError, PlanError: EngineErrors)."""
         from .planning import make_plan, profile_for
 
         if self.profile is None:
             self.profile = profile_for(None)
-        stats = dict(self.acceptance)
+        stats = dict(self.policy.acceptance)
         if "model" in stats and self._drafter_graph is not None:  # measured on that graph, not on every one
             stats[self._drafter_graph] = stats.pop("model")
-        try:
-            pl = make_plan(self.manifest, self.profile, max(1, context), self.budget_mb, stats=stats,
-                           min_call=self.target.min_call, capacity=self.context, tree_exact=self.target.tree_exact,
-                           drafter=self._configured, sampling=sampling)
-        except (BudgetError, PlanError) as e:
-            raise EngineError(str(e)) from e
+        pl = make_plan(self.manifest, self.profile, max(1, context), self.budget_mb, stats=stats,
+                       min_call=self.target.min_call, capacity=self.context, tree_exact=self.target.tree_exact,
+                       drafter=self._configured, sampling=sampling)
         self.default_drafter = pl.drafter
         return pl
+
+    def _plan_request(self, prompt: int, p: GenerationParams) -> int:
+        """Re-plan for a request (the context grows with every turn) → the context it plans for."""
+        end = prompt + p.max_tokens
+        if self.plan is None:
+            return end
+        end = min(fullest(self.context, plain_call_rows(self.profile, self.target.min_call)), end)
+        try:
+            self.plan = self._replan(end, sampling=p.temperature > 0)
+        except BudgetError as e:  # when the answer's room is what does not fit, say which setting to lower
+            if e.fits is None or e.fits <= prompt:
+                raise
+            raise as_engine_error(e, f"{e} — this request plans for its {prompt}-token prompt plus max_tokens "
+                                     f"{p.max_tokens}: max_tokens up to {e.fits - prompt} fits (edge-chat "
+                                     "--max-tokens)") from None
+        return end
 
     def _planned_drafter(self, asked: str | None, context: int, sampling: bool,
                          draft_len: int | None = None) -> tuple[str, int | None]:
@@ -405,112 +369,11 @@ class Engine:
             self._drafter_sess = None
         return kind, n
 
-    def _verify_ms(self, s: int) -> float:
-        """Mean call time at width s measured at about this context, else the reference curve at this context
-        (`_reference_curve`) scaled to the narrowest call measured at about this context (else as it is)."""
-        calls = self._call_ms
-        if s in calls:
-            return calls[s]
-        ref = self._reference_curve()
-        if calls:
-            w = min(calls)
-            return calls[w] * ref(s) / ref(w)
-        return ref(s)
-
-    def _reference_curve(self) -> LatencyCurve:
-        """What a call of each width costs at the current context before any is timed there, as the planner prices
-        it (`Latency.target_for`): a calibration's target curves (edge-profile on this device), else the export's
-        engine-way timings at two contexts, else its one-row time and curve at 128 tokens (or the defaults). Kept
-        per context bucket: the first context seen in a bucket prices it."""
-        bucket = self.target.cache.length.bit_length()
-        curve = self._curves.get(bucket)
-        if curve is None:
-            # an engine with a profile planned at load, which read this calibration the same way without error
-            cal = (getattr(self.profile, "calibration", None) or {}).get("latency")
-            lat = Latency.from_calibration(self.manifest, cal)
-            curve = self._curves[bucket] = lat.target_for(max(1, self.target.cache.length))
-        return curve
-
-    def call_widths(self) -> set[int]:
-        """Widths of the decode calls this engine has timed, at any context."""
-        return {w for calls in self._calls_at.values() for w in calls}
-
-    def _stats(self, kind: str) -> AcceptanceStats:
-        st = self.acceptance.get(kind)
-        if st is None:
-            prior = DEFAULT_PRIORS.get(kind, (0.3, 1.0))[0]
-            if kind == "model" and self.manifest.drafters:  # the graph running (or about to run): its agreement
-                g = drafter_graph(self.manifest, self._drafter_graph)
-                prior = top1_agreement(g, 0.3)
-            st = self.acceptance[kind] = AcceptanceStats(prior)
-        return st
-
-    def _probe(self, kind: str, k_max: int) -> int:
-        """The adaptive length chose not to draft. Without drafts its acceptance estimate would never change again
-        (for the rest of the engine's life: a lookup drafter that failed on open-ended prompts would stay off on
-        the input-grounded ones that follow), so every PROBE_EVERY-th such step drafts PROBE_K tokens anyway."""
-        n = self._idle.get(kind, 0) + 1
-        self._idle[kind] = 0 if n >= PROBE_EVERY else n
-        return min(PROBE_K, k_max) if n >= PROBE_EVERY else 0
-
-    def _choose_k(self, kind: str, k_max: int) -> int:
-        """SpecDec-style adaptive length: the K with the best expected tokens per ms (memory.planner)."""
-        if kind == "none" or k_max <= 0:
-            return 0
-        cost = self._draft_ms if kind == "model" else 0.0
-        return best_chain_length(self._stats(kind), self._verify_ms, cost, k_max, self.target.min_call)
-
-    def _draft_free(self, drafter, kind: str, budget: int) -> Draft:
-        """Drafters whose drafts cost nothing (lookup, recycling, hybrid on chains): draft the longest chain first,
-        then cut it to the length with the best expected tokens per millisecond. Each token is priced by the
-        acceptance of its kind (`token_labels`): what found it (a span from a 4-gram match earns more than one
-        from a single token; a recycled successor of two tokens more than of one), whether it is the draft's first
-        token, and whether another candidate drafted the same tokens so far — the stand-in for SpecDec++'s learned
-        stopping head. With several candidate chains (hybrid: the retrieved span and the recycling chain) the best
-        rate wins. Nothing worth drafting: every PROBE_EVERY-th time a short probe."""
-        self._unverified = []
-        if budget <= 0:
-            return Draft.empty()
-        cands = [c for c in (drafter.chains(budget) if hasattr(drafter, "chains") else [drafter.draft(budget)])
-                 if len(c)]
-        best, best_rate = None, 0.0
-        memo: dict[int, float] = {}  # call widths priced once per step, whatever the number of candidates
-
-        def verify_ms(s: int) -> float:
-            if s not in memo:
-                memo[s] = self._verify_ms(s)
-            return memo[s]
-
-        labelled, chosen = [], None
-        for i, c in enumerate(cands):
-            labels = token_labels(c, kind, cands[:i] + cands[i + 1 :])
-            labelled.append(Draft.chain(c.tokens, None, c.source, labels))
-            k, rate = best_prefix(self.token_acceptance.probs(labels), verify_ms, self.target.min_call)
-            if k and rate > best_rate:
-                best, best_rate, chosen = labelled[-1].head(k), rate, i
-        if best is None and labelled:
-            k = self._probe(labelled[0].source or kind, len(labelled[0]))
-            best, chosen = (labelled[0].head(k), 0) if k else (None, None)
-        self._unverified = [c for i, c in enumerate(labelled) if i != chosen]
-        return best or Draft.empty()
-
-    def _learn_unverified(self, truth: list[int]) -> None:
-        """The candidates this step did not verify are scored against what the target produced (`truth`: the
-        accepted tokens and the bonus), as far as it reaches: a deterministic draft token would have been accepted
-        exactly when it equals the target's token there. Without this a kind of token that is never chosen keeps
-        its prior forever (a second turn's long retrieved spans lost to recycling chains priced on what they had
-        earned while lookup's labels never moved)."""
-        for c in self._unverified:
-            n = min(len(c), len(truth))
-            j = next((i for i in range(n) if int(c.tokens[i]) != truth[i]), n)
-            self.token_acceptance.update(c.labels[: j + 1] if j < n else c.labels[:n], j)
-        self._unverified = []
-
     # ------------------------------------------------------------------ drafters
     def _resolve(self, kind: str) -> str:
         if kind == "model":
             require_drafter_graph(self.model_dir, self.manifest)
-        if kind in ("recycling", "hybrid") and not self.target.topk:
+        if kind != "auto" and DRAFTER_KINDS[kind].needs_topk and not self.target.topk:
             raise ModelDirError(f"{self.model_dir}: drafter {kind!r} needs the target's on-graph top-k output; "
                                 "re-export with this edgespec, or use the lookup drafter (drafter='lookup', "
                                 "--drafter lookup)")
@@ -519,16 +382,19 @@ class Engine:
         if not self.target.chains_exact:  # drafts would be verified by calls whose width changes the logits
             return "none"
         # lookup and recycling drafts cost no model calls; a model drafter must earn its cost. Measured choice
-        # (README): hybrid lookup+recycling trees beat the early-exit drafter on this model.
+        # (docs/design-decisions.md): hybrid lookup+recycling trees beat the early-exit drafter on this model.
         if self.manifest.drafters and top1_agreement(drafter_graph(self.manifest), 0.0) >= 0.6:
             return "model"
         return "hybrid" if self.target.topk else "lookup"
 
+    def _planned_graph(self) -> str | None:
+        """The drafter graph the memory plan budgets for, when it plans a model drafter."""
+        return self.plan.draft_graph if self.plan is not None and self.plan.drafter == "model" else None
+
     def _model_graph(self):
         """The drafter graph a model drafter runs: the memory plan's when it plans one (its budget is for that
         graph), else the best one."""
-        want = self.plan.draft_graph if self.plan is not None and self.plan.drafter == "model" else None
-        return drafter_graph(self.manifest, want)
+        return drafter_graph(self.manifest, self._planned_graph())
 
     def _model_drafter(self, p: GenerationParams, rng) -> ModelDrafter:
         g = self._model_graph()
@@ -541,37 +407,36 @@ class Engine:
             sess = GraphSession(str(self.model_dir / g.file), self.manifest, g, self.context, self.threads,
                                 self.providers)
             self._drafter_sess, self._drafter_graph, self._id_map = sess, g.name, id_map
-            self._drafter_cached: list[int] = []
             if switched:  # another graph: its own acceptance (from its measured agreement) and cost per token
-                self.acceptance.pop("model", None)
-                self._draft_ms = 0.0
+                self.policy.model_switched()
         # with a seed it drafts its argmax (a point mass, verified as lookup's drafts are): each emitted token is then
         # one draw from p, so the answer equals plain sampling's with that seed whatever the drafter learned so far
         # (sampled drafts draw per draft token, and how many it drafts depends on the acceptance it has measured)
-        d = ModelDrafter(self._drafter_sess, self._id_map, self.manifest.arch["vocab"], threshold=0.0,
-                         temperature=p.temperature if p.seed is None else 0.0, top_k=p.top_k, top_p=p.top_p, rng=rng,
-                         input_vocab=self.manifest.arch_of(g)["vocab"], prefill_chunk=self._prefill_chunk())
-        d.cached = self._drafter_cached  # shared list: the drafter cache outlives one request
-        return d
+        return ModelDrafter(self._drafter_sess, self._id_map, self.manifest.arch["vocab"], threshold=0.0,
+                            temperature=p.temperature if p.seed is None else 0.0, top_k=p.top_k, top_p=p.top_p,
+                            rng=rng, input_vocab=self.manifest.arch_of(self._model_graph())["vocab"],
+                            prefill_chunk=self._prefill_chunk())
 
-    def _drafter(self, kind: str, p: GenerationParams, rng):
+    def _drafter(self, kind: str, p: GenerationParams, rng) -> tuple[Drafter, int]:
+        """The drafter of `kind` for this request and its draft tokens per call (the request's, else its default)."""
+        if kind == "model":
+            drafter = self._model_drafter(p, rng)
+        elif kind == "hybrid":
+            drafter = HybridDrafter(self.lookup, self.recycling)
+        else:
+            drafter = {"none": NoDrafter(), "lookup": self.lookup, "recycling": self.recycling}[kind]
         if kind == "none":
-            return NoDrafter(), 0
-        if kind == "lookup":
-            return self.lookup, p.draft_len if p.draft_len is not None else 16
-        if kind == "recycling":
-            return self.recycling, p.draft_len if p.draft_len is not None else 8
-        if kind == "hybrid":
-            return HybridDrafter(self.lookup, self.recycling), p.draft_len if p.draft_len is not None else 16
-        return self._model_drafter(p, rng), p.draft_len if p.draft_len is not None else 6
+            return drafter, 0
+        return drafter, p.draft_len if p.draft_len is not None else DRAFTER_KINDS[kind].default_len
 
     # ------------------------------------------------------------------ encoding
     def encode(self, prompt_or_messages, raw: bool = False, *, special_tokens_in_content: bool = False) -> list[int]:
         """The prompt's token ids. Message text is encoded as text (a control token's string in it stays text);
-        `special_tokens_in_content=True` lets it become control tokens (see TextCodec.encode_chat)."""
+        `special_tokens_in_content=True` lets it become control tokens (see TextCodec.encode_chat). A plain string
+        is one user message; with `raw=True` it is encoded as it is (the tokenizer's own BOS rule applies)."""
         if isinstance(prompt_or_messages, str):
             if raw:
-                return self.codec.encode(prompt_or_messages)
+                return self.codec.encode_prompt(prompt_or_messages)
             if not prompt_or_messages.strip():  # the REPL skips blank lines; the API says why instead of answering
                 raise EngineError("empty prompt: nothing to answer")
             msgs = [{"role": "user", "content": prompt_or_messages}]
@@ -584,13 +449,10 @@ class Engine:
         # a ChatTemplateError (an EngineError) when the template refuses them, fails or runs past its budget
         return self.codec.encode_chat(msgs, special_tokens_in_content=special_tokens_in_content)
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ the loop's phases
     def _prefill(self, ids: list[int], st: Stats) -> np.ndarray:
         """Re-use the longest cached prefix, prefill the rest in chunks; → logits [V] after the last prompt token."""
-        n = 0
-        lim = min(len(self.cached), len(ids) - 1)
-        while n < lim and self.cached[n] == ids[n]:
-            n += 1
+        n = self.target.cache.common_prefix(ids, len(ids) - 1)
         self._rewind_to(n)
         st.reused_tokens = n
         logits = None
@@ -604,10 +466,9 @@ class Engine:
     def _commit(self, tokens: list[int], path: list[int] | None) -> None:
         """Commit the verified tokens (root + accepted drafts) to the target cache."""
         if path is None:
-            self.target.cache.append(len(tokens))
+            self.target.cache.append(len(tokens), tokens)
         else:
-            self.target.cache.keep(path)
-        self.cached += tokens
+            self.target.cache.keep(path, tokens)
 
     def _prefill_chunk(self) -> int:
         """Rows per prefill call, the target's and a model drafter's: a device profile's (what its memory plan
@@ -615,12 +476,9 @@ class Engine:
         return getattr(self.profile, "prefill_chunk", None) or PREFILL_CHUNK
 
     def _rewind_to(self, length: int) -> None:
-        """Roll the target cache back to `length` tokens (also repairs a cache an interrupt left ahead of
-        `self.cached`: only tokens both agree on are kept)."""
+        """Roll the target cache back to `length` tokens (or keep it, if shorter)."""
         cache = self.target.cache
-        n = min(length, cache.length, len(self.cached))
-        cache.trim(cache.length - n)
-        del self.cached[n:]
+        cache.trim(cache.length - min(length, cache.length))
 
     def _head_request(self, p: GenerationParams) -> tuple[int | None, bool]:
         """(k the on-graph head should return probabilities for, or None; whether the call must return logits)."""
@@ -638,23 +496,22 @@ class Engine:
             return HEAD_TOPK_NUCLEUS, True  # the nucleus usually closes inside; the logits are there if it does not
         return None, True  # every token can be drawn: the full distribution
 
-    def _target_probs(self, logits: np.ndarray | None, p: GenerationParams) -> np.ndarray:
-        """p [R, V] of the last verify call: each row from the on-graph head when its top k hold the row's kept set,
-        else from its logits (`kernels.sampling.process_logits`; the head's rows equal its to float rounding, bar a
-        top-p cut that lands within rounding of a cumulative mass)."""
-        top = self.target.top_probs
-        if top is None:
-            self.head_misses += len(logits)
-            return process_logits(logits, p.temperature, p.top_k, p.top_p)
-        P, exact = probs_from_top(self.target.top_ids, top, self.target.vocab, p.top_k, p.top_p)
+    def _target_probs(self, out: Output, p: GenerationParams) -> np.ndarray:
+        """p [R, V] of a verify call: each row from the on-graph head when its top k hold the row's kept set, else
+        from its logits (`kernels.sampling.process_logits`; the head's rows equal its to float rounding, bar a top-p
+        cut that lands within rounding of a cumulative mass)."""
+        if out.top_probs is None:
+            self.head_misses += len(out.logits)
+            return process_logits(out.logits, p.temperature, p.top_k, p.top_p)
+        P, exact = probs_from_top(out.top_ids, out.top_probs, self.target.vocab, p.top_k, p.top_p)
         self.head_hits += int(exact.sum())
         if not exact.all():  # rows whose nucleus reaches past the head's k: from their logits
-            if logits is None:  # a cut inside the head's k declines only rows that are not finite
+            if out.logits is None:  # a cut inside the head's k declines only rows that are not finite
                 rows = np.flatnonzero(~exact).tolist()
-                raise ValueError(f"the model's probabilities in rows {rows} are not finite; "
-                                 "the model output is corrupt")
+                raise ModelOutputError(f"the model's probabilities in rows {rows} are not finite; "
+                                       "the model output is corrupt")
             self.head_misses += int((~exact).sum())
-            P[~exact] = process_logits(logits[~exact], p.temperature, p.top_k, p.top_p)
+            P[~exact] = process_logits(out.logits[~exact], p.temperature, p.top_k, p.top_p)
         return P
 
     def _verify(self, root: int, d: Draft, p: GenerationParams, rng, before: int | None = None, learn: bool = True
@@ -671,42 +528,39 @@ class Engine:
         if d.is_chain:
             # [K+1, V] logits, or None when the on-graph head returns all this step needs (greedy, or a sampling cut
             # that lies inside its top k)
-            logits = self.target.forward(tokens, logits=need_logits, sample=sample)
+            out = self.target.call(tokens, logits=need_logits, sample=sample)
             layout = None
         else:
             layout = TreeLayout.from_parents(np.concatenate([[-1], d.parents]))
-            logits = self.target.forward(tokens, layout.position_ids(L), layout.attention_bias(L), logits=need_logits,
-                                         sample=sample)
-        top = self.target.top_ids
-        if top is not None and learn:
-            self.recycling.observe(tokens, top, None if layout is None else layout.parents, before)
+            out = self.target.call(tokens, layout.position_ids(L), layout.attention_bias(L), logits=need_logits,
+                                   sample=sample)
+        if out.top_ids is not None and learn:
+            self.recycling.observe(tokens, out.top_ids, None if layout is None else layout.parents, before)
         argmax = None
         if greedy:
-            if logits is None:
-                argmax = top[:, 0]
-                if self.target.top_logits is not None:
-                    check_chosen(self.target.top_logits[:, 0])
+            if out.logits is None:
+                argmax = out.top_ids[:, 0]
+                if out.top_logits is not None:
+                    check_chosen(out.top_logits[:, 0])
             else:
-                argmax = logits.argmax(-1)
-                check_chosen(logits[np.arange(len(argmax)), argmax])
+                argmax = out.logits.argmax(-1)
+                check_chosen(out.logits[np.arange(len(argmax)), argmax])
         if layout is None:
             if greedy:
                 n, nxt = verify_greedy(tokens[1:], argmax)
             else:
-                n, nxt = verify_sampling(d.tokens, self._target_probs(logits, p), d.q, rng)
+                n, nxt = verify_sampling(d.tokens, self._target_probs(out, p), d.q, rng)
             return tokens[: n + 1], None, int(nxt)
         parents = layout.parents
         if greedy:
             path, nxt = verify_greedy_tree(tokens, parents, argmax)
         else:
-            P = self._target_probs(logits, p)
+            P = self._target_probs(out, p)
             q = None if d.q is None else np.concatenate([d.q, np.zeros((1, d.q.shape[1]))])
             path, nxt = verify_sampling_tree(tokens, parents, P, q, rng)
         return [tokens[i] for i in path], list(path), int(nxt)
 
-    def _run(self, ids: list[int], p: GenerationParams) -> Iterator[Chunk]:
-        st = Stats(prompt_tokens=len(ids))
-        self.last_stats = st
+    def _check_request(self, ids: list[int], p: GenerationParams) -> None:
         if not ids:
             raise EngineError("empty prompt: nothing to continue from")
         room = self.context - len(ids)
@@ -716,30 +570,24 @@ class Engine:
                               + (f" (or load with a larger context, up to {more}: edge.load(context=N), edge-chat "
                                  "--context N)" if more > self.context else ""))
         p.check(room)
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self, ids: list[int], p: GenerationParams) -> Iterator[Chunk]:
+        """prefill → (emit → draft → verify → commit → drafter update)* → rollback in `finally`."""
+        st = self.last_stats = Stats(prompt_tokens=len(ids))
+        self._check_request(ids, p)
         rng = np.random.default_rng(p.seed)
-        end = len(ids) + p.max_tokens
-        if self.plan is not None:  # the context grows with every turn: re-plan
-            end = min(fullest(self.context, plain_call_rows(self.profile, self.target.min_call)), end)
-            try:
-                self.plan = self._replan(end, sampling=p.temperature > 0)
-            except EngineError as e:  # when the answer's room is what does not fit, say which setting to lower
-                fits = getattr(e.__cause__, "fits", None)
-                if fits is None or fits <= len(ids):
-                    raise
-                raise EngineError(f"{e} — this request plans for its {len(ids)}-token prompt plus max_tokens "
-                                  f"{p.max_tokens}: max_tokens up to {fits - len(ids)} fits (edge-chat "
-                                  "--max-tokens)") from e.__cause__
+        end = self._plan_request(len(ids), p)
         # also refuses a drafter this export cannot run, with the fix named
         kind, cap = self._planned_drafter(p.drafter, end, p.temperature > 0, p.draft_len)
         drafter, k = self._drafter(kind, p, rng)
         if cap is not None:
             k = min(k, cap)  # the memory budget caps draft tokens per call
-        # chains get an adaptive length; tree drafters (exact trees only) fill their node budget
-        d_chain = kind in ("lookup", "model") or not self.target.tree_exact
+        # tree drafters fill their node budget where the target verifies trees exactly; chains get an adaptive length
+        tree, fixed = DRAFTER_KINDS[kind].trees and self.target.tree_exact, p.draft_len is not None
+        free = self.policy.is_free(kind, fixed, tree)
         st.drafter = kind
-        dec = StreamDecoder(self.codec)
-        text, sent, out = "", 0, []
-        hold = max((len(s) for s in p.stop), default=1) - 1  # chars held back while a stop string may complete
+        answer = AnswerText(self.codec, self.eos, p.max_tokens, p.stop)
         t0 = t1 = time.perf_counter()
         ort1 = self._ort_run_s()
         try:
@@ -749,91 +597,50 @@ class Engine:
             t1, ort1 = time.perf_counter(), self._ort_run_s()
             drafter.begin(ids + [first])  # a model drafter prefills its own cache here: drafter time
             st.draft_s += time.perf_counter() - t1
-            new, n_drafted, root = [first], 0, first
+            new, drafted, root = [first], 0, first
             while True:
                 # ---- emit what the last step produced (EOS, limits, stop strings)
-                finish, verified = None, len(new)
-                for j, t in enumerate(new):
-                    if t in self.eos:
-                        new, finish = new[: j + 1], "stop"
-                        break
-                if len(out) + len(new) >= p.max_tokens:
-                    new, finish = new[: p.max_tokens - len(out)], finish or "length"
-                cut = -1
-                if p.stop:  # token by token: the answer's ids end with the one that completes a stop string, so
-                    for j, t in enumerate(new):  # they do not depend on how many tokens the step accepted
-                        if t in self.eos:  # ids keep EOS; text does not
-                            continue
-                        start = max(0, len(text) - hold)  # a new match ends in the text this token adds
-                        text += dec.push([t])
-                        cut = min((i for i in (text.find(s, start) for s in p.stop) if i >= 0), default=-1)
-                        if cut >= 0:
-                            new, text, finish = new[: j + 1], text[:cut], "stop"
-                            break
-                else:
-                    text += dec.push([t for t in new if t not in self.eos])
-                if len(new) < verified:  # drafts accepted past an EOS or a stop: verified, never emitted, not counted
-                    st.accepted -= n_drafted - min(n_drafted, len(new))
-                    n_drafted = min(n_drafted, len(new))
-                out += new
-                st.generated = len(out)
-                if cut < 0 and finish is None and self.target.cache.room() < 2:
-                    finish = "length"  # context window full
-                if finish is not None:
-                    if cut < 0:
-                        text += dec.flush()
+                chunk = answer.push(new, drafted, full=self.target.cache.room() < 2)
+                st.accepted -= drafted - chunk.drafted  # accepted past an EOS or a stop: never emitted, not counted
+                st.generated = len(answer.ids)
+                if chunk.finish_reason is not None:
                     st.decode_s, st.ort_s = time.perf_counter() - t1, self._ort_run_s() - ort1
-                    yield Chunk(text[sent:], new, n_drafted, finish)
+                    yield chunk
                     return
-                safe = max(sent, len(text) - hold) if p.stop else len(text)  # never a negative slice end
-                yield Chunk(text[sent:safe], new, n_drafted)
-                sent = max(sent, safe)
+                yield chunk
 
                 # ---- one speculative step: draft, verify in one target call, commit, update the drafter
-                self._call_ms = self._calls_at.setdefault(self.target.cache.length.bit_length(), {})
-                free = d_chain and p.draft_len is None and kind in ("lookup", "recycling", "hybrid")
-                k_step = k if p.draft_len is not None or not d_chain or free else self._choose_k(kind, k)
-                if k_step == 0 and kind != "none" and k > 0:
-                    k_step = self._probe(kind, k)
-                budget = min(k_step, p.max_tokens - len(out) - 1, self.target.cache.room() - 2)
+                self.policy.at_context()
+                room = min(p.max_tokens - len(answer.ids) - 1, self.target.cache.room() - 2)
                 ts = time.perf_counter()
-                if free:
-                    d = self._draft_free(drafter, kind, budget)
-                else:
-                    d = drafter.draft(budget) if budget > 0 else Draft.empty()
-                st.draft_s += time.perf_counter() - ts
-                if kind == "model" and len(d):
-                    self._draft_ms = 0.8 * self._draft_ms + 200 * (time.perf_counter() - ts) / len(d)
+                d = self.policy.draft(drafter, kind, k, room, fixed=fixed, tree=tree)
+                dt = time.perf_counter() - ts
+                st.draft_s += dt
+                if kind == "model":
+                    self.policy.timed_draft(len(d), dt)
+                before = answer.ids[-2] if len(answer.ids) >= 2 else ids[-1]
                 ts = time.perf_counter()
-                committed, path, nxt = self._verify(root, d, p, rng, out[-2] if len(out) >= 2 else ids[-1],
-                                                    learn=kind != "none")
+                committed, path, nxt = self._verify(root, d, p, rng, before, learn=kind != "none")
                 dt = time.perf_counter() - ts
                 st.target_s += dt
-                width = max(len(d) + 1, self.target.min_call)
-                self._call_ms[width] = 1000 * dt if width not in self._call_ms else \
-                    0.8 * self._call_ms[width] + 200 * dt
-                if free:  # the verified chain's tokens, then the candidates it beat, scored against the target
-                    if len(d):
-                        self.token_acceptance.update(d.labels, len(committed) - 1)
-                    self._learn_unverified(committed[1:] + [nxt])
-                if d_chain and len(d):
-                    self._stats(kind).update(len(d), len(committed) - 1)  # per drafter: what the planner reads
-                    if d.source in DRAFTERS and d.source != kind:  # hybrid's recycling chain: recycling's too
-                        self._stats(d.source).update(len(d), len(committed) - 1)
+                self.policy.timed_call(max(len(d) + 1, self.target.min_call), dt)
+                drafted = len(committed) - 1
+                new = committed[1:] + [nxt]
+                self.policy.learn(kind, d, drafted, new, free=free, tree=tree)
                 self._commit(committed, path)
                 st.steps += 1
                 st.drafted += len(d)
-                n_drafted = len(committed) - 1
-                st.accepted += n_drafted
-                new = committed[1:] + [nxt]
+                st.accepted += drafted
                 drafter.accept(new)
                 root = nxt
+        except CorruptOutput as e:  # non-finite logits from the kernels' checks: an EngineError
+            raise ModelOutputError(str(e)) from e
         finally:
             if not st.decode_s:
                 st.decode_s, st.ort_s = time.perf_counter() - t1, self._ort_run_s() - ort1
-            self._rewind_to(len(ids) + len(out) - 1 if out else len(ids))  # an interrupted prefill keeps its part
-            if isinstance(drafter, ModelDrafter):
-                self._drafter_cached = drafter.cached
+            # the cache keeps the prompt and the answer but its last token (the next step's root); an interrupted
+            # prefill keeps its part
+            self._rewind_to(len(ids) + len(answer.ids) - 1 if answer.ids else len(ids))
 
     def _ort_run_s(self) -> float:
         """Seconds spent inside ONNX Runtime so far by the target and the drafter session."""
@@ -841,32 +648,44 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
     def stream(self, prompt_or_messages, raw: bool = False, *, special_tokens_in_content: bool = False,
-               **kw) -> Iterator[Chunk]:
-        p = GenerationParams(**_normalize(kw))
+               **params) -> Iterator[Chunk]:
+        """Answer a prompt (a string, or OpenAI-style messages rendered with the chat template), yielding `Chunk`s
+        (text, token ids, how many were accepted drafts, finish_reason on the last) as they are verified.
+
+        `params` are `GenerationParams`: max_tokens (default 512), temperature (0: greedy), top_p, top_k, seed,
+        stop (a string or a list), drafter (one of "auto", "hybrid", "recycling", "model", "lookup", "none"),
+        draft_len. Greedy answers equal plain decoding's token for token; sampled ones follow the same
+        distribution. Closing the stream early (or Ctrl-C) rolls the KV cache back to what was emitted.
+        `raw=True` encodes a string as it is, without the chat template. Every refusal is an EngineError."""
+        p = GenerationParams(**_normalize(params))
         ids = self.encode(prompt_or_messages, raw=raw, special_tokens_in_content=special_tokens_in_content)
         with _holding(self._lock, f"this engine is already generating ({BUSY_HINT}); serialize calls or load a "
                       "second engine"):
             yield from self._run(ids, p)
 
     def generate(self, prompt_or_messages, raw: bool = False, *, special_tokens_in_content: bool = False,
-                 **kw) -> GenerationResult:
+                 **params) -> GenerationResult:
+        """The whole answer of `stream` (same arguments) as a `GenerationResult`: text, token ids, finish_reason
+        ("stop": EOS or a stop string; "length": max_tokens or the context), and the request's `Stats`."""
         return collect(self.stream(prompt_or_messages, raw=raw, special_tokens_in_content=special_tokens_in_content,
-                                   **kw), self)
+                                   **params), self)
 
     def chat(self, system: str | None = None, overflow: str = "refuse") -> "Chat":
+        """A multi-turn conversation on this engine (`Chat`)."""
         return Chat(self, system, overflow)
 
     def drafter_state(self):
         """A copy of what drafting has learned from earlier answers (Token Recycling's tables, acceptance
         statistics): `set_drafter_state` puts it back, e.g. so a benchmark's repeats never draft from their own
         earlier answers."""
-        return copy.deepcopy((self.recycling, self.acceptance, self.token_acceptance, self._idle))
+        return copy.deepcopy((self.recycling, *self.policy.state()))
 
     # both change state a running generation uses (a reset under a live stream used to empty the KV cache beneath
     # it: the rest of that answer came from an empty context, silently), so both hold the engine
     def set_drafter_state(self, state) -> None:
         with _holding(self._lock, f"cannot set the drafter state while this engine is generating ({BUSY_HINT})"):
-            self.recycling, self.acceptance, self.token_acceptance, self._idle = copy.deepcopy(state)
+            self.recycling, *learned = copy.deepcopy(state)
+            self.policy.set_state(tuple(learned))
 
     def reset(self, keep_drafter_state: bool = False) -> None:
         """Forget the KV cache; Token Recycling's matrix and the lookup history survive only if asked."""
@@ -877,6 +696,23 @@ class Engine:
                 self.lookup = LookupDrafter()
             if self.plan is not None:  # an empty context: planned as at load
                 self.plan = self._replan(self.context // 2)
+
+
+def _open_codec(model_dir: Path, m) -> TextCodec:
+    """The export's tokenizer and chat template, refused with the fix named when missing or not this model's."""
+    tok = model_dir / m.tokenizer
+    if not tok.is_file():
+        raise ModelDirError(f"{tok}: tokenizer missing; re-run edge-export")
+    try:
+        codec = TextCodec(tok, m.chat_template, m.special_tokens.get("bos"), tuple(m.special_tokens.get("eos") or ()))
+    except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
+        why = str(e).partition("\n")[0][:200]
+        raise ModelDirError(f"{tok}: tokenizer unreadable ({why}); re-run edge-export: "
+                            f"{reexport_command(model_dir, m.source.get('path'))}") from e
+    if codec.vocab_size > m.arch["vocab"]:
+        raise ModelDirError(f"{tok}: tokenizer has {codec.vocab_size} tokens but the model {m.arch['vocab']}; "
+                            "the tokenizer belongs to another model — re-export")
+    return codec
 
 
 def _normalize(kw: dict) -> dict:

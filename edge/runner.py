@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import time
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 
 from kernels.postprocess import GREEDY_K, HEAD_INPUTS
 from kernels.sampling import top_k_ids
-from memory.footprint import PREFILL_CHUNK
+from memory.footprint import MAX_CALL, PREFILL_CHUNK
 
+from .errors import EngineError
 from .kv import KVCache, kv_numpy_dtype
-from .manifest import GraphEntry, Manifest, open_graph
+from .manifest import GraphEntry, Manifest, ModelDirError, open_graph
 
 NEG = np.finfo(np.float32).min
 F32_TINY, F32_MAX = float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max)
-MAX_CALL = 256  # rows of one call with every row's logits kept (prefill chunks keep only the last row)
 HEAD_TOPK_MAX = 256  # sampling with top_k up to this reads the head's k probabilities alone (exact: the cut is inside)
 HEAD_TOPK_NUCLEUS = 64  # top-p without top-k: the head's k, enough for the nucleus of most rows (else the logits)
 
@@ -37,6 +38,21 @@ def session_options(threads: int):
     # a 600-token answer grew RSS 30.7 MB with it, 5.3 MB without), memory no footprint model predicts
     so.enable_mem_pattern = False
     return so
+
+
+class Output(NamedTuple):
+    """What one call computed, each a view valid until the session's next call. logits [R, V] (None when not asked
+    for on a graph with the on-graph TopK); top_ids [R, k] (graphs with the TopK output); top_probs [R, k]:
+    softmax(logits / T) at top_ids for a sampling call through the head, else None; top_logits [R, k]: the logits at
+    top_ids where the graph returns them (greedy checks they are finite)."""
+    logits: np.ndarray | None
+    top_ids: np.ndarray | None = None
+    top_probs: np.ndarray | None = None
+    top_logits: np.ndarray | None = None
+
+    def head(self) -> "Output":
+        """The first row of each array (a 1-token call run as the first row of a wider one)."""
+        return Output(*(None if a is None else a[:1] for a in self))
 
 
 SMALL_CALL = 64  # calls up to this width (decode, verify) reuse their input buffers and output bindings
@@ -59,7 +75,7 @@ class GraphSession:
         self.layers, self.vocab = graph.layers, graph.vocab
         dtype = kv_numpy_dtype(graph.kv_dtype)
         if capacity > graph.max_len:
-            raise ValueError(f"context {capacity} exceeds what {graph.file} was exported for ({graph.max_len})")
+            raise EngineError(f"context {capacity} exceeds what {graph.file} was exported for ({graph.max_len})")
         self.cache = KVCache(graph.layers, a["kv_heads"], a["head_dim"], capacity, dtype)
         self.max_call = max_call
         self._zeros = np.zeros(capacity + max_call, np.float32)  # bias row for a single query: sees everything
@@ -81,9 +97,6 @@ class GraphSession:
         self._head_k = np.array([self.topk], np.int64)
         self._temperature = np.ones(1, np.float32)
         self._sampling = np.zeros((), bool)
-        self.top_ids = None  # [R, k] of the last call, when the graph has the TopK output
-        self.top_probs = None  # [R, k] of the last sampling call through the head: softmax(logits / T) at top_ids
-        self.top_logits = None  # [R, k] logits at top_ids, where the graph returns them (greedy checks they are finite)
         self.min_call = 1
         self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.cache.layer(i, j))
                            for i in range(graph.layers) for j in range(2)]  # kept alive: bindings hold pointers
@@ -175,20 +188,24 @@ class GraphSession:
             bias[0, 0, :, t - s :] = np.where(np.tril(np.ones((s, s), bool)), 0, NEG)
         return bias
 
-    def forward(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True,
-                sample: tuple[float, int] | None = None) -> np.ndarray | None:
+    def forward(self, tokens, positions=None, bias=None, keep: int = 0) -> np.ndarray:
+        """Logits [R, V] of a call (`call`): R = S, or the `keep` last rows."""
+        return self.call(tokens, positions, bias, keep).logits
+
+    def call(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True,
+             sample: tuple[float, int] | None = None) -> Output:
         """Run S tokens after the committed prefix; their K/V land in slots [length, length+S) uncommitted.
-        Returns logits [R, V] (R = S, or `keep` last rows) — a view valid until the next call — or None with
-        logits=False on a graph with on-graph TopK (then only `self.top_ids` [R, topk] is filled).
-        `sample` = (temperature, k) on a graph with the head: `self.top_ids` and `self.top_probs` [R, k] are the k
-        best tokens and their probabilities at that temperature (else `self.top_probs` is None)."""
+        Returns what the call computed (`Output`, views valid until the next call): logits [R, V] (R = S, or the
+        `keep` last rows), or None with logits=False on a graph with on-graph TopK; top_ids [R, topk]; with
+        `sample` = (temperature, k) on a graph with the head, top_ids and top_probs [R, k] are the k best tokens
+        and their probabilities at that temperature."""
         # a list of ids stays a list until it is written into its call-width buffer (one numpy call, not two)
         ids = tokens if isinstance(tokens, list) else np.asarray(tokens, np.int64).reshape(-1)
         s = len(ids)
         if s < self.min_call:
-            return self._forward_padded(np.asarray(ids, np.int64).reshape(1, -1), positions, bias, keep, logits, sample)
+            return self._call_padded(np.asarray(ids, np.int64).reshape(1, -1), positions, bias, logits, sample)
         if s > self.max_call and keep == 0:
-            raise ValueError(f"{s} tokens in one call with all logits kept (max {self.max_call})")
+            raise EngineError(f"{s} tokens in one call with all logits kept (max {self.max_call})")
         self.cache.check_room(s)
         L = self.cache.length
         if L + s > self.cache.slots:
@@ -225,20 +242,20 @@ class GraphSession:
                 self._logits = np.zeros(r * self.vocab, np.float32)
             out = self._view("logits", self._logits, r, self.vocab)
             self._bind(b, "logits", out, output=True)
-        self.top_probs = None
+        top_ids = top_probs = top_logits = None
         if self.topk:
             k = self.topk if sample is None else min(max(int(sample[1]), self.topk), self.vocab)
             if r * k > self._top.size:
                 self._top = np.zeros(r * k, np.int64)
             top = self._view("top_ids", self._top, r, k)
             self._bind(b, "top_ids", top, output=True)
-            self.top_ids = top[0]
+            top_ids = top[0]
             if self._top_logits is not None:
                 if r * k > self._top_logits.size:
                     self._top_logits = np.zeros(r * k, np.float32)
                 vals = self._view("top_logits", self._top_logits, r, k)
                 self._bind(b, "top_logits", vals, output=True)
-                self.top_logits = vals[0]
+                top_logits = vals[0]
             if self.head:
                 self._head_k[0] = k
                 self._sampling[()] = sample is not None
@@ -253,13 +270,13 @@ class GraphSession:
                 probs = self._view("top_probs", self._top_probs, r, k)
                 self._bind(b, "top_probs", probs, output=True)
                 if sample is not None:
-                    self.top_probs = probs[0]
+                    top_probs = probs[0]
         t0 = time.perf_counter()
         try:
             self.sess.run_with_iobinding(b)
         finally:  # an interrupted call counts too
             self.run_s += time.perf_counter() - t0
-        return out[0] if want else None
+        return Output(out[0] if want else None, top_ids, top_probs, top_logits)
 
     def _probe_tree_exact(self, tol: float = 1e-3) -> bool:
         """Does a token verified inside a tree get the logits it gets on its own root-to-leaf path? With fp32
@@ -270,7 +287,7 @@ class GraphSession:
             return True
         prefix = [(7 * i) % 97 + 3 for i in range(48)]  # long enough that attention sums span SIMD lanes
         self.forward(prefix)
-        self.cache.append(len(prefix))
+        self.cache.append(len(prefix), prefix)
         L = self.cache.length
         # root 4 with children 5 and 6: node 2 (token 6) sits one slot right of where its path puts it
         bias = np.zeros((1, 1, 3, L + 3), np.float32)
@@ -282,7 +299,7 @@ class GraphSession:
         self.cache.trim(len(prefix))
         return float(np.abs(tree - path).max()) < tol
 
-    def _forward_padded(self, ids, positions, bias, keep, logits=True, sample=None) -> np.ndarray | None:
+    def _call_padded(self, ids, positions, bias, logits=True, sample=None) -> Output:
         """A 1-token call as the first row of a 2-row call; the pad row sees only itself, its K/V lands in a
         slot past the committed length (never visible) and its logits are dropped."""
         t = self.cache.length + 2
@@ -292,14 +309,7 @@ class GraphSession:
         b2 = np.full((1, 1, 2, t), NEG, np.float32)
         b2[0, 0, 0, : t - 1] = 0 if bias is None else np.asarray(bias, np.float32).reshape(-1)
         b2[0, 0, 1, t - 1] = 0
-        out = self.forward(np.append(ids.reshape(-1), ids[0, 0]), pos, b2, keep=0, logits=logits, sample=sample)
-        if self.top_ids is not None:
-            self.top_ids = self.top_ids[:1]
-        if self.top_logits is not None:
-            self.top_logits = self.top_logits[:1]
-        if self.top_probs is not None:
-            self.top_probs = self.top_probs[:1]
-        return None if out is None else out[:1]
+        return self.call(np.append(ids.reshape(-1), ids[0, 0]), pos, b2, keep=0, logits=logits, sample=sample).head()
 
     def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         """Commit `tokens` in chunks (bounded activation memory); logits [V] of the last one."""
@@ -308,7 +318,7 @@ class GraphSession:
         for i in range(0, len(tokens), chunk):
             part = tokens[i : i + chunk]
             last = self.forward(part, keep=1)[-1]
-            self.cache.append(len(part))
+            self.cache.append(len(part), part)
         return last
 
 
@@ -336,7 +346,7 @@ def probe_min_call(session) -> int:
         return 1
     ids = [1, 2, 3]
     session.forward(ids[:2])
-    session.cache.append(2)
+    session.cache.append(2, ids[:2])
     one = session.forward(ids[2:])[0].copy()  # [V]
     two = session.forward(ids[2:] + [0])[0].copy()  # [V]
     session.cache.trim(2)
@@ -395,7 +405,6 @@ class OptimumSession:
     topk = 8
     tree_exact = False
     head = False  # no on-graph head: sampling processes the logits
-    top_probs = None
 
     def __init__(self, path: str, layers: int, kv_heads: int, head_dim: int, vocab: int, capacity: int,
                  threads: int = 2, providers=("CPUExecutionProvider",), max_len: int | None = None,
@@ -406,14 +415,12 @@ class OptimumSession:
         self.sess = (open_graph(path, manifest, graph, session_options(threads), providers) if graph is not None else
                      ort.InferenceSession(path, session_options(threads), providers=list(providers)))
         if max_len is not None and capacity > max_len:
-            raise ValueError(f"context {capacity} exceeds what {path} was exported for ({max_len})")
+            raise EngineError(f"context {capacity} exceeds what {path} was exported for ({max_len})")
         self.layers, self.vocab = layers, vocab
-        self.top_ids = None  # [R, topk] of the last call, best first
-        self.top_logits = None  # greedy checks the logits it returns instead
         self.inputs = {i.name for i in self.sess.get_inputs()}
         missing = {"input_ids", "past_key_values.0.key"} - self.inputs
         if missing:
-            raise ValueError(f"{path}: not a text-generation-with-past graph (no {', '.join(sorted(missing))})")
+            raise ModelDirError(f"{path}: not a text-generation-with-past graph (no {', '.join(sorted(missing))})")
         self.cache = KVCache(layers, kv_heads, head_dim, capacity, kv_dtype)
         self._names = ["logits"] + [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
         self.min_call = 1
@@ -430,18 +437,19 @@ class OptimumSession:
         return cls(path, graph.layers, a["kv_heads"], a["head_dim"], graph.vocab, capacity, threads, providers,
                    max_len=graph.max_len or None, kv_dtype=dtype, manifest=manifest, graph=graph)
 
-    def forward(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True,
-                sample=None) -> np.ndarray:
+    def forward(self, tokens, positions=None, bias=None, keep: int = 0) -> np.ndarray:
+        return self.call(tokens, positions, bias, keep).logits
+
+    def call(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True, sample=None) -> Output:
+        """As `GraphSession.call`; the logits always, top_ids from a numpy top-k over them (best first)."""
         ids = np.asarray(tokens, np.int64).reshape(1, -1)
         s = ids.shape[1]
         if bias is not None:
-            raise ValueError("this graph (exported via optimum) has a 2-D causal mask and cannot verify a tree")
+            raise EngineError("this graph (exported via optimum) has a 2-D causal mask and cannot verify a tree")
         if s < self.min_call:  # one dummy token after it: causal, so the first row does not see it
             if positions is not None:
                 positions = np.append(np.asarray(positions, np.int64).reshape(-1), 0)
-            out = self.forward(np.append(ids.reshape(-1), ids[0, 0]), positions, None, 0, logits)
-            self.top_ids = self.top_ids[:1]
-            return out[:1]
+            return self.call(np.append(ids.reshape(-1), ids[0, 0]), positions, None, 0, logits).head()
         self.cache.check_room(s)
         L = self.cache.length
         self.cache.reserve(L + s)
@@ -465,8 +473,7 @@ class OptimumSession:
                 self.cache.layer(i, j)[:, :, L : L + s] = out[1 + 2 * i + j][:, :, L : L + s]
         r = s if keep == 0 else min(keep, s)
         rows = out[0][0, s - r :]
-        self.top_ids = top_k_ids(rows, min(self.topk, self.vocab))
-        return rows
+        return Output(rows, top_k_ids(rows, min(self.topk, self.vocab)))
 
     def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         return GraphSession.prefill(self, tokens, chunk)

@@ -152,6 +152,7 @@ class _Engine:
         self.manifest = SimpleNamespace(name="fake", target=SimpleNamespace(precision="fp32"))
         self.head_hits = self.head_misses = 0
         self.token_acceptance = SimpleNamespace(tested=lambda: dict(self.tested))
+        self.policy = self  # what edge-bench reads of the draft-length policy
 
     def drafter_state(self):
         return self.learned
@@ -409,6 +410,7 @@ def test_measure_acceptance_caps_draft_rate_hands_beta_back_and_carries_learning
             self.manifest = SimpleNamespace(drafters=[])
             self.target = SimpleNamespace(topk=True, tree_exact=True)
             self.acceptance, self.learned, self.seen = {}, (), []
+            self.policy = self  # what edge-profile reads of the draft-length policy
 
         def drafter_state(self):
             return self.learned

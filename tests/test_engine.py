@@ -59,11 +59,12 @@ def test_output_views_follow_their_buffers(engine):
     g = engine.target
     wide = g._logits.size // g.vocab + 1  # wider than any call so far: the buffers grow twice below
     for s in (1, wide, 2, wide + 2, 3):
-        rows = g.forward(list(range(7, 7 + s)), logits=True)
+        out = g.call(list(range(7, 7 + s)), logits=True)
+        rows = out.logits
         assert rows.shape == (s, g.vocab) and np.shares_memory(rows, g._logits)
         assert all(v.base is g._logits for key, v in g._views.items() if key[0] == "logits")
         assert all(v.base is g._top for key, v in g._views.items() if key[0] == "top_ids")
-    np.testing.assert_array_equal(g.top_ids[:, 0], rows.argmax(-1))
+    np.testing.assert_array_equal(out.top_ids[:, 0], rows.argmax(-1))
 
 
 def test_a_call_width_that_comes_back_finds_its_bindings(engine):
@@ -444,7 +445,7 @@ def test_adaptive_length_keeps_probing_a_drafter_it_switched_off(tiny_dir):
     from a probe, and every probe must reach the statistics."""
     from memory.acceptance import AcceptanceStats
 
-    from edge.engine import PROBE_EVERY, PROBE_K
+    from edge.draftlen import PROBE_EVERY, PROBE_K
 
     class Frozen(AcceptanceStats):
         def __init__(self):
@@ -456,9 +457,9 @@ def test_adaptive_length_keeps_probing_a_drafter_it_switched_off(tiny_dir):
 
     e = edge.load(tiny_dir, drafter="none", context=256)
     ref = e.generate(PROMPTS[0], max_tokens=60, drafter="none")
-    e.acceptance["model"] = frozen = Frozen()  # as if every draft so far had been rejected (a chain drafter)
-    e._verify_ms = lambda s: 10.0 + s
-    assert e._choose_k("model", 6) == 0
+    e.policy.acceptance["model"] = frozen = Frozen()  # as if every draft so far had been rejected (a chain drafter)
+    e.policy.verify_ms = lambda s: 10.0 + s
+    assert e.policy.choose_k("model", 6) == 0
     r = e.generate(PROMPTS[0], max_tokens=60, drafter="model")
     assert r.token_ids == ref.token_ids
     assert r.stats.drafted > 0
@@ -480,18 +481,18 @@ def test_unmeasured_call_widths_follow_the_exports_latency_curve(tiny_dir):
     from memory.planner import DEFAULT_VERIFY_SHAPE, LatencyCurve
 
     e = edge.load(tiny_dir, drafter="none", context=256)
-    e._call_ms = {1: 10.0}
+    e.policy.call_ms = {1: 10.0}
     t = e.manifest.target
     flat = replace(t, stats={**t.stats, "latency_ms_by_s": [5.0, 5.5, 5.0, 6.0, 6.5, 7.0, 7.5, 8.0]})
     e.manifest = replace(e.manifest, graphs=(flat,) + tuple(g for g in e.manifest.graphs if g.role != "target"))
-    e._curves.clear()
+    e.policy.curves.clear()
     assert e.manifest.target.stats["latency_ms_by_s"][0] == 5.0
-    assert [round(e._verify_ms(s), 6) for s in (1, 2, 3, 8)] == [10.0, 11.0, 11.0, 16.0]
-    e._call_ms[8] = 30.0  # a measured width wins
-    assert e._verify_ms(8) == 30.0
+    assert [round(e.policy.verify_ms(s), 6) for s in (1, 2, 3, 8)] == [10.0, 11.0, 11.0, 16.0]
+    e.policy.call_ms[8] = 30.0  # a measured width wins
+    assert e.policy.verify_ms(8) == 30.0
     e.manifest = replace(e.manifest, graphs=(replace(t, stats={}),) + e.manifest.graphs[1:])
-    e._curves.clear()
-    assert e._verify_ms(16) == pytest.approx(LatencyCurve.scaled(10.0, DEFAULT_VERIFY_SHAPE)(16))
+    e.policy.curves.clear()
+    assert e.policy.verify_ms(16) == pytest.approx(LatencyCurve.scaled(10.0, DEFAULT_VERIFY_SHAPE)(16))
 
 
 def test_first_call_prices_follow_the_exports_timings_at_this_context(tiny_dir):
@@ -509,8 +510,8 @@ def test_first_call_prices_follow_the_exports_timings_at_this_context(tiny_dir):
 
     def price(length, calls=None):
         e.target.cache.length = length
-        e._call_ms = dict(calls or {})
-        return [e._verify_ms(s) for s in (1, 4, 8)]
+        e.policy.call_ms = dict(calls or {})
+        return [e.policy.verify_ms(s) for s in (1, 4, 8)]
 
     saved = e.target.cache.length, e.profile
     try:
@@ -518,12 +519,12 @@ def test_first_call_prices_follow_the_exports_timings_at_this_context(tiny_dir):
         assert price(128) == pytest.approx([15.0, 19.5, 25.5])  # halfway: the mean of the two curves (own bucket)
         assert price(200) == pytest.approx([15.0, 19.5, 25.5])  # same bucket (128..255): as first priced, at 128
         assert price(130, {1: 30.0}) == pytest.approx([30.0, 39.0, 51.0])  # scaled to the narrowest call timed
-        e._curves.clear()
+        e.policy.curves.clear()
         e.profile = SimpleNamespace(calibration={"latency": {"target": [[1, 5.0], [8, 12.0]], "context": 100}})
         assert price(128) == pytest.approx([5.0, 8.0, 12.0])  # this device's calibration wins
     finally:
         e.target.cache.length, e.profile = saved
-        e._curves.clear()
+        e.policy.curves.clear()
 
 
 def test_call_times_are_kept_per_context(tiny_dir):
@@ -533,14 +534,14 @@ def test_call_times_are_kept_per_context(tiny_dir):
     e = edge.load(tiny_dir, drafter="none", context=256)
     long_prompt = " ".join(f"item {i}" for i in range(30))
     e.generate(long_prompt, raw=True, max_tokens=3)
-    assert e._call_ms and e._verify_ms(9) < 1e6
-    e._call_ms[9] = 1e6  # as if a 9-row call had been this slow at that context
+    assert e.policy.call_ms and e.policy.verify_ms(9) < 1e6
+    e.policy.call_ms[9] = 1e6  # as if a 9-row call had been this slow at that context
     e.reset()
     e.generate("hi", raw=True, max_tokens=3)
-    assert e._verify_ms(9) < 1e6  # priced from what was timed at this context
+    assert e.policy.verify_ms(9) < 1e6  # priced from what was timed at this context
     e.generate(long_prompt, raw=True, max_tokens=3)
-    assert e._verify_ms(9) == 1e6  # back at the long context: its own measurement
-    assert 9 in e.call_widths() and len(e._calls_at) >= 2
+    assert e.policy.verify_ms(9) == 1e6  # back at the long context: its own measurement
+    assert 9 in e.policy.call_widths() and len(e.policy.calls_at) >= 2
 
 
 @pytest.fixture(scope="module")
@@ -561,7 +562,7 @@ def test_adaptive_free_drafts_equal_plain(chains_engine, drafter, monkeypatch):
     per-token labels and per-source statistics (the free-draft path ran). Call times are pinned to a flat curve:
     on the tiny model, noisy measured widths could price every span out (probes count idle steps per source)."""
     e = chains_engine
-    monkeypatch.setattr(e, "_verify_ms", lambda s: 10.0 + 0.5 * s)
+    monkeypatch.setattr(e.policy, "verify_ms", lambda s: 10.0 + 0.5 * s)
     drafted = 0
     for p in PROMPTS + ["the quick brown fox the quick brown fox the quick brown"]:
         ref = e.generate(p, max_tokens=40, drafter="none")
@@ -569,11 +570,11 @@ def test_adaptive_free_drafts_equal_plain(chains_engine, drafter, monkeypatch):
         assert got.token_ids == ref.token_ids, (p, drafter)
         drafted += got.stats.drafted
     assert drafted > 0
-    sources = {k.split("@")[0] for k in e.token_acceptance.count}  # what found the tokens that were scored
+    sources = {k.split("@")[0] for k in e.policy.token_acceptance.count}  # what found the tokens that were scored
     recycled, looked_up = {"recycling:b", "recycling:u"}, {f"lookup:{n}" for n in (1, 2, 3, 4, 8, 16, 32)}
-    assert sources & (recycled if drafter == "recycling" else looked_up), e.token_acceptance
+    assert sources & (recycled if drafter == "recycling" else looked_up), e.policy.token_acceptance
     if drafter == "hybrid":  # both kinds were priced and scored (test_candidates_not_verified_… checks the scoring)
-        assert sources & recycled and sources & looked_up, e.token_acceptance
+        assert sources & recycled and sources & looked_up, e.policy.token_acceptance
 
 
 class _Chains:
@@ -591,11 +592,11 @@ def test_free_drafts_are_cut_by_their_tokens_acceptance(tiny_dir):
     a chain is cut where its tokens turn unreliable, between two candidates the one with the better expected tokens
     per ms is verified, and verification updates exactly the labels of the tokens it tested."""
     from edge.drafters import Draft
-    from edge.engine import token_labels
+    from edge.draftlen import token_labels
 
     e = edge.load(tiny_dir, drafter="none", context=256)
-    e._call_ms = {s: 10.0 + 0.5 * s for s in range(1, 40)}  # a flat verify curve
-    acc = e.token_acceptance
+    e.policy.call_ms = {s: 10.0 + 0.5 * s for s in range(1, 40)}  # a flat verify curve
+    acc = e.policy.token_acceptance
     acc.rate.update({"lookup:4@1": 0.95, "lookup:4@2+": 0.95, "lookup:1@1": 0.02, "lookup:1@2+": 0.9,
                      "recycling:u@1/split": 0.5, "recycling:u@2+/split": 0.5, "lookup:1@1/split": 0.02,
                      "lookup:4@1/split": 0.95, "lookup:4@2+/split": 0.95,
@@ -604,13 +605,13 @@ def test_free_drafts_are_cut_by_their_tokens_acceptance(tiny_dir):
     span1 = Draft.chain(range(30, 42), source="lookup:1")
     rec = Draft.chain(range(50, 58), source="recycling", labels=["recycling:u"] * 8)
     mixed = Draft.chain(range(60, 66), source="recycling", labels=["recycling:b"] * 3 + ["recycling:u"] * 3)
-    assert len(e._draft_free(_Chains(span4), "lookup", 12)) == 12
-    got = [len(e._draft_free(_Chains(span1), "lookup", 12)) for _ in range(16)]
+    assert len(e.policy.draft_free(_Chains(span4), "lookup", 12)) == 12
+    got = [len(e.policy.draft_free(_Chains(span1), "lookup", 12)) for _ in range(16)]
     assert max(got) <= 2 and 0 < sum(got) <= 4  # no drafts but the occasional 2-token probe
-    assert len(e._draft_free(_Chains(mixed), "recycling", 6)) == 3  # cut where the one-token successors begin
-    pick = e._draft_free(_Chains(span1, rec), "hybrid", 12)
+    assert len(e.policy.draft_free(_Chains(mixed), "recycling", 6)) == 3  # cut where the one-token successors begin
+    pick = e.policy.draft_free(_Chains(span1, rec), "hybrid", 12)
     assert pick.source == "recycling" and 0 < len(pick) <= 8 and pick.labels[0] == "recycling:u@1/split"
-    best = e._draft_free(_Chains(span4, rec), "hybrid", 12)
+    best = e.policy.draft_free(_Chains(span4, rec), "hybrid", 12)
     assert best.source == "lookup:4" and best.labels[:2] == ("lookup:4@1/split", "lookup:4@2+/split")
     assert token_labels(Draft.chain([1, 2]), "hybrid") == ("hybrid@1", "hybrid@2+")
     other = Draft.chain([1, 2, 7])
@@ -629,23 +630,23 @@ def test_candidates_not_verified_are_scored_against_the_target(tiny_dir):
     from edge.drafters import Draft
 
     e = edge.load(tiny_dir, drafter="none", context=256)
-    e._call_ms = {s: 10.0 + 0.5 * s for s in range(1, 40)}
-    acc = e.token_acceptance
+    e.policy.call_ms = {s: 10.0 + 0.5 * s for s in range(1, 40)}
+    acc = e.policy.token_acceptance
     acc.rate.update({"lookup:4@1/split": 0.95, "lookup:4@2+/split": 0.95,
                      "recycling:u@1/split": 0.1, "recycling:u@2+/split": 0.1})
     span4 = Draft.chain(range(10, 22), source="lookup:4")
     rec = Draft.chain(range(50, 58), source="recycling", labels=["recycling:u"] * 8)
-    assert e._draft_free(_Chains(span4, rec), "hybrid", 12).source == "lookup:4"
+    assert e.policy.draft_free(_Chains(span4, rec), "hybrid", 12).source == "lookup:4"
     before = dict(acc.count)
-    e._learn_unverified([50, 51, 99])  # synthetic: the target wrote 50, 51, then not 52 — recycling earned two
+    e.policy.learn_unverified([50, 51, 99])  # synthetic: the target wrote 50, 51, then not 52 — recycling earned two
     assert acc.count["recycling:u@1/split"] == before.get("recycling:u@1/split", 0) + 1
     assert acc.count["recycling:u@2+/split"] == before.get("recycling:u@2+/split", 0) + 2
     assert acc.rate["recycling:u@1/split"] > 0.1 and all(acc.count.get(k) == v for k, v in before.items()
                                                          if k.startswith("lookup"))
-    assert e._unverified == []  # scored once
-    e._draft_free(_Chains(span4, rec), "hybrid", 12)
+    assert e.policy._unverified == []  # scored once
+    e.policy.draft_free(_Chains(span4, rec), "hybrid", 12)
     before = dict(acc.count)
-    e._learn_unverified([50])  # only one token known: it matched, nothing after it was tested
+    e.policy.learn_unverified([50])  # only one token known: it matched, nothing after it was tested
     assert acc.count["recycling:u@1/split"] == before["recycling:u@1/split"] + 1
     assert acc.count["recycling:u@2+/split"] == before["recycling:u@2+/split"]
 
@@ -826,7 +827,7 @@ def test_the_model_drafters_context_tracks_the_target(tiny_dir, monkeypatch):
 
     def accept(self, tokens):
         real(self, tokens)
-        assert self.cached + self.pending == e.cached + [int(tokens[-1])]
+        assert self.sess.cache.tokens + self.pending == e.cached + [int(tokens[-1])]
         checked.append(len(tokens))
     monkeypatch.setattr(ModelDrafter, "accept", accept)
     for p in ("def add(a, b):", "Summarize: the council met"):

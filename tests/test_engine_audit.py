@@ -14,7 +14,8 @@ import edge
 import edge.engine as engine_mod
 from edge import EngineError
 from edge.drafters import Draft
-from edge.engine import PROBE_EVERY, ContextFull
+from edge.draftlen import PROBE_EVERY
+from edge.engine import ContextFull
 from memory.acceptance import AcceptanceStats
 
 PROMPT = "def add(a, b):"
@@ -28,17 +29,17 @@ def fresh(tiny_dir):
 # ------------------------------------------------------------------------------ what the adaptive length reads
 
 def test_a_probe_never_drafts_more_than_the_step_allows(fresh):
-    got = [fresh._probe("lookup", 1) for _ in range(2 * PROBE_EVERY)]
+    got = [fresh.policy.probe("lookup", 1) for _ in range(2 * PROBE_EVERY)]
     assert got.count(1) == 2 and set(got) == {0, 1}
 
 
 def test_a_model_drafter_whose_tokens_cost_more_than_a_call_drafts_nothing(fresh):
-    fresh._verify_ms = lambda s: 10.0 + 0.1 * s
-    fresh.acceptance["model"] = AcceptanceStats(0.9)
-    fresh._draft_ms = 0.0
-    assert fresh._choose_k("model", 6) > 0  # drafts that cost nothing, accepted 90% of the time: worth it
-    fresh._draft_ms = 1000.0  # a second per drafted token against a 10 ms call
-    assert fresh._choose_k("model", 6) == 0
+    fresh.policy.verify_ms = lambda s: 10.0 + 0.1 * s
+    fresh.policy.acceptance["model"] = AcceptanceStats(0.9)
+    fresh.policy.draft_ms = 0.0
+    assert fresh.policy.choose_k("model", 6) > 0  # drafts that cost nothing, accepted 90% of the time: worth it
+    fresh.policy.draft_ms = 1000.0  # a second per drafted token against a 10 ms call
+    assert fresh.policy.choose_k("model", 6) == 0
 
 
 def test_call_times_are_filed_under_the_context_of_each_call(fresh):
@@ -48,8 +49,8 @@ def test_call_times_are_filed_under_the_context_of_each_call(fresh):
     r = fresh.generate("hi", max_tokens=60, drafter="none")
     assert r.finish_reason == "length"
     lengths = range(len(ids), len(ids) + len(r.token_ids) - 1)  # the cache before each step's call
-    assert set(fresh._calls_at) == {n.bit_length() for n in lengths}
-    assert len(fresh._calls_at) >= 2
+    assert set(fresh.policy.calls_at) == {n.bit_length() for n in lengths}
+    assert len(fresh.policy.calls_at) >= 2
 
 
 def test_call_and_draft_times_are_per_call_and_per_drafted_token_in_ms(fresh, monkeypatch):
@@ -59,23 +60,23 @@ def test_call_and_draft_times_are_per_call_and_per_drafted_token_in_ms(fresh, mo
 
     clock = [0.0]
     monkeypatch.setattr(engine_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    forward, draft = fresh.target.forward, ModelDrafter.draft
+    call, draft = fresh.target.call, ModelDrafter.draft
 
-    def timed_forward(*a, **kw):
+    def timed_call(*a, **kw):
         clock[0] += 0.010
-        return forward(*a, **kw)
+        return call(*a, **kw)
 
     def timed_draft(self, budget):
         d = draft(self, budget)
         clock[0] += 0.004 * len(d)
         return d
-    monkeypatch.setattr(fresh.target, "forward", timed_forward)
+    monkeypatch.setattr(fresh.target, "call", timed_call)
     monkeypatch.setattr(ModelDrafter, "draft", timed_draft)
     r = fresh.generate(PROMPT, max_tokens=30, drafter="model", draft_len=3)
     assert r.stats.drafted >= 6
-    times = [t for calls in fresh._calls_at.values() for t in calls.values()]
+    times = [t for calls in fresh.policy.calls_at.values() for t in calls.values()]
     assert times and times == pytest.approx([10.0] * len(times))
-    assert 0 < fresh._draft_ms <= 4.0 + 1e-9
+    assert 0 < fresh.policy.draft_ms <= 4.0 + 1e-9
 
 
 def test_the_model_drafters_first_estimate_is_its_measured_agreement(fresh):
@@ -83,7 +84,7 @@ def test_the_model_drafters_first_estimate_is_its_measured_agreement(fresh):
 
     agreement = drafter_graph(fresh.manifest).stats["top1_agreement"]
     assert agreement != 0.3  # the generic prior, which would make the check below vacuous
-    np.testing.assert_array_equal(fresh._stats("model").table(), AcceptanceStats(agreement).table())
+    np.testing.assert_array_equal(fresh.policy.stats("model").table(), AcceptanceStats(agreement).table())
 
 
 @pytest.fixture
@@ -112,7 +113,7 @@ def test_a_drafters_acceptance_statistics_count_each_verified_draft_once(chains_
     the request's own counters."""
     e = chains_engine
     e.generate("the quick brown fox", max_tokens=40, drafter="recycling")  # warms Token Recycling's matrix
-    e.acceptance[kind] = rec = _Recorder()
+    e.policy.acceptance[kind] = rec = _Recorder()
     r = e.generate("the quick brown fox", max_tokens=40, drafter=kind, draft_len=4)
     assert r.finish_reason == "length" and r.stats.drafted > 0
     assert len(rec.seen) <= r.stats.steps
@@ -143,8 +144,8 @@ def test_the_candidate_not_verified_is_scored_against_the_bonus_token_too(chains
     wrong = next(t for t in range(3, 50) if t != ref[1])
     span = Draft.chain([wrong], source="lookup:4")
     rec = Draft.chain([ref[1]], source="recycling", labels=["recycling:u"])
-    e._verify_ms = lambda s: 10.0 + 0.5 * s
-    acc = e.token_acceptance
+    e.policy.verify_ms = lambda s: 10.0 + 0.5 * s
+    acc = e.policy.token_acceptance
     acc.rate.update({"lookup:4@1/split": 0.95, "recycling:u@1/split": 0.1})
     monkeypatch.setattr(e, "_drafter", lambda kind, p, rng: (_Chains(span, rec), 16))
     before = dict(acc.count)

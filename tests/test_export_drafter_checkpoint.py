@@ -223,7 +223,7 @@ def test_replanning_credits_measured_acceptance_to_the_graph_that_earned_it(expo
     e = edge.load(out, drafter="model", context=256)
     e.generate(PROMPTS[0], max_tokens=8)  # runs the best-agreement graph
     ran = e._drafter_graph
-    e.acceptance["model"] = AcceptanceStats(0.9)
+    e.policy.acceptance["model"] = AcceptanceStats(0.9)
     seen = {}
     real = edge.planning.make_plan
 
@@ -237,7 +237,7 @@ def test_replanning_credits_measured_acceptance_to_the_graph_that_earned_it(expo
     other = next(g for g in m.drafters if g.name != ran)
     e.plan = SimpleNamespace(drafter="model", draft_graph=other.name)
     e._model_drafter(edge.GenerationParams(), None)
-    assert e._stats("model").rate[0, 0] == pytest.approx(other.stats.get("top1_agreement", 0.3))
+    assert e.policy.stats("model").rate[0, 0] == pytest.approx(other.stats.get("top1_agreement", 0.3))
 
 
 def test_a_failed_drafter_switch_leaves_nothing_half_built(exported, monkeypatch):

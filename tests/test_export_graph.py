@@ -367,8 +367,10 @@ def test_tree_verify_then_commit_path(graph_session, tiny_llama):
 
 
 def test_capacity_above_export_is_refused(exported_llama):
+    from edge.errors import EngineError
+
     d, m = exported_llama
-    with pytest.raises(ValueError, match="exported for"):
+    with pytest.raises(EngineError, match="exported for"):
         GraphSession(str(d / m.target.file), m, m.target, capacity=MAX_LEN + 1)
 
 

@@ -458,9 +458,9 @@ def test_a_drafter_asked_by_name_drafts_as_long_as_asked_when_it_fits(tiny_dir, 
     prompt = "def add(a, b):"  # the tiny model's answer repeats one token: lookup drafts it as long as allowed
     free = edge.load(tiny_dir, context=256)
     free.generate(prompt, max_tokens=150, drafter="lookup", draft_len=40)
-    assert max(free.call_widths()) > 17  # without a plan the call is this wide
+    assert max(free.policy.call_widths()) > 17  # without a plan the call is this wide
     e.generate(prompt, max_tokens=150, drafter="lookup", draft_len=40)
-    assert max(e.call_widths()) == max(free.call_widths())
+    assert max(e.policy.call_widths()) == max(free.policy.call_widths())
 
 
 def test_replanning_follows_acceptance_both_ways_and_reset_plans_afresh(tiny_dir, tmp_path):
@@ -472,13 +472,13 @@ def test_replanning_follows_acceptance_both_ways_and_reset_plans_afresh(tiny_dir
     e = edge.load(tiny_dir, context=256, calibration=calibration(tmp_path, 0.9), budget_mb=1e5)
     first = e.plan
     kind = first.drafter
-    e.acceptance[kind] = AcceptanceStats(0.05)
+    e.policy.acceptance[kind] = AcceptanceStats(0.05)
     low = e._replan(100)
-    e.acceptance[kind] = AcceptanceStats(0.95)
+    e.policy.acceptance[kind] = AcceptanceStats(0.95)
     high = e._replan(100)
     assert high.drafter == kind and (low.drafter != kind or low.nodes < high.nodes), (low.reason, high.reason)
     e.plan = low
-    e.acceptance.pop(kind)
+    e.policy.acceptance.pop(kind)
     e.reset()
     assert e.plan == first
     e.generate("the quick brown fox", max_tokens=4, temperature=0.8, seed=1)

@@ -14,24 +14,25 @@ def reference(tiny_dir):
 
 
 class Interrupt:
-    """Wrap session.forward: the `after`-th call from now raises KeyboardInterrupt (before the call runs)."""
+    """Wrap session.call (every forward goes through it): the `after`-th call from now raises KeyboardInterrupt
+    (before the call runs)."""
 
     def __init__(self, monkeypatch, session, after: int):
-        self.calls, self.after, real = 0, after, session.forward
+        self.calls, self.after, real = 0, after, session.call
 
-        def forward(*a, **k):
+        def call(*a, **k):
             self.calls += 1
             if self.calls == self.after:
                 raise KeyboardInterrupt
             return real(*a, **k)
 
-        monkeypatch.setattr(session, "forward", forward)
+        monkeypatch.setattr(session, "call", call)
 
 
 def check_state(e) -> None:
     assert e.target.cache.length == len(e.cached)
-    if e._drafter_sess is not None:  # the model drafter's own cache mirrors its token list
-        assert e._drafter_sess.cache.length == len(e._drafter_cached)
+    if e._drafter_sess is not None:  # the model drafter's own cache holds one id per committed slot
+        assert e._drafter_sess.cache.length == len(e._drafter_sess.cache.tokens)
     lk = e.lookup
     assert max(lk.index.values(), default=0) <= len(lk.history)  # the n-gram index points inside the history
 

@@ -58,7 +58,7 @@ def test_real_chat_second_turn_reuses_cache_and_lookup_drafts(real, monkeypatch)
     chat = real.chat()
     first = chat.ask("Write two sentences about the moon.", max_tokens=48)
     # calls priced by a fixed curve: the shared engine's measured widths cannot price the repeated spans out
-    monkeypatch.setattr(real, "_verify_ms", lambda s: 10.0 + s)
+    monkeypatch.setattr(real.policy, "verify_ms", lambda s: 10.0 + s)
     second = chat.ask("Repeat your previous answer exactly.", max_tokens=48, drafter="lookup")
     assert second.stats.reused_tokens >= first.stats.prompt_tokens
     assert second.stats.accepted > 0
@@ -76,8 +76,9 @@ def test_real_sampling_head_gives_the_distribution_of_the_logits(real, temperatu
     ids = real.encode("Explain how tides work.")
     real.target.prefill(ids)
     k = top_k or 64
-    logits = real.target.forward([504, 3458, 282, 4649, 314, 7042], logits=True, sample=(temperature, k)).copy()
-    P, exact = probs_from_top(real.target.top_ids, real.target.top_probs, real.target.vocab, top_k, top_p)
+    out = real.target.call([504, 3458, 282, 4649, 314, 7042], logits=True, sample=(temperature, k))
+    logits = out.logits.copy()
+    P, exact = probs_from_top(out.top_ids, out.top_probs, real.target.vocab, top_k, top_p)
     want = process_logits(logits, temperature, top_k, top_p)
     assert exact.sum() >= 4, exact  # most rows' kept set is inside the head's k here
     np.testing.assert_array_equal(P[exact] > 0, want[exact] > 0)

@@ -732,7 +732,7 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
                     k = (i + rep) % len(modes)
                     for m in modes[k:] + modes[:k]:  # rotate: no mode always runs first
                         engine.set_drafter_state(before)
-                        tested = engine.token_acceptance.tested()
+                        tested = engine.policy.token_acceptance.tested()
                         recs = (_run_peer(peers[m], engine, it, m, a, reference) if m in peers
                                 else _run_one(engine, it, m, a, rep, reference))
                         for rec in recs:
@@ -740,7 +740,7 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
                             runs.append(rec)
                         if m not in peers and m != "none":  # what this prompt taught the drafters (plain
                             after = after or engine.drafter_state()  # decoding and the peer teach them nothing)
-                        _add_learned(learned, tested, engine.token_acceptance.tested())
+                        _add_learned(learned, tested, engine.policy.token_acceptance.tested())
                         done += 1
                         if bar:
                             bar.update(1)

@@ -56,7 +56,7 @@ def measure(model_dir: str, context: int, k: int, drafter: str = "lookup", decod
     # itself raise this process's peak by tens of MB
     prompt = filler_text(engine.codec, context, (text or DEFAULT_UNIT)[: 8 * context + 4096])
     st = engine.generate(prompt, raw=True, max_tokens=decode, drafter=kind, draft_len=k if k else None).stats
-    widest = max(engine.call_widths(), default=1)  # widths of the decode calls actually made
+    widest = max(engine.policy.call_widths(), default=1)  # widths of the decode calls actually made
     m = engine.manifest
     cal = Calibration.from_dict((calibration or {}).get("memory"), "cpu")
     spec = Speculation(kind, k)  # drafter "model": the graph the engine runs (memory.footprint.drafter_graph)

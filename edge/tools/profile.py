@@ -216,7 +216,7 @@ def measure_acceptance(engine, items, k: int, k_model: int, max_tokens: int, pro
     kinds = chain_kinds(engine)
     acc = {kind: {"steps": 0, "accepted": 0, "drafted": 0, "overhead": []} for kind in kinds}
     for kind in kinds:
-        engine.acceptance[kind] = AcceptanceStats(DEFAULT_PRIORS.get(kind, (0.3, 1.0))[0], beta=1e-3,
+        engine.policy.acceptance[kind] = AcceptanceStats(DEFAULT_PRIORS.get(kind, (0.3, 1.0))[0], beta=1e-3,
                                                   prior_weight=1.0)
     for it in items:
         # every drafter starts this prompt from what the earlier prompts taught, never from another drafter's run
@@ -240,7 +240,7 @@ def measure_acceptance(engine, items, k: int, k_model: int, max_tokens: int, pro
                 prog.step(f"acceptance {kind}")
         _restore_drafting(engine, after or before)
     for kind in kinds:
-        st, c = engine.acceptance[kind], acc[kind]
+        st, c = engine.policy.acceptance[kind], acc[kind]
         given = st.expected_accepted(k_model if kind == "model" else k)  # draft_rate is 1 in the engine's stats
         st.draft_rate = min(1.0, c["accepted"] / c["steps"] / given) if c["steps"] and given > 0 else 0.0
         st.beta = 0.1
@@ -256,9 +256,9 @@ def measure_acceptance(engine, items, k: int, k_model: int, max_tokens: int, pro
 def _restore_drafting(engine, state) -> None:
     """Put back what drafting had learned (`Engine.drafter_state`) but keep the acceptance statistics being
     measured."""
-    measured = engine.acceptance
+    measured = engine.policy.acceptance
     engine.set_drafter_state(state)
-    engine.acceptance = measured
+    engine.policy.acceptance = measured
 
 
 # ---------------------------------------------------------------------------------------------- speed

@@ -51,8 +51,8 @@ def drafter_state(engine) -> dict:
         "lookup_index": len(lk.index),
         "lookup_index_bound": (lk.max_ngram - lk.min_ngram + 1) * len(lk.history),  # ≤ one entry per n per token
         "cached_tokens": len(engine.cached), "cached_tokens_bound": engine.context,
-        "call_widths": len(engine.call_widths()), "call_widths_bound": 65,  # widths 1..65 (a draft of up to 64 + 1)
-        "call_time_contexts": len(engine._calls_at), "call_time_contexts_bound": engine.context.bit_length() + 1,
+        "call_widths": len(engine.policy.call_widths()), "call_widths_bound": 65,  # widths 1..65 (a draft of up to 64 + 1)
+        "call_time_contexts": len(engine.policy.calls_at), "call_time_contexts_bound": engine.context.bit_length() + 1,
     }
 
 
