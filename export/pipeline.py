@@ -32,9 +32,8 @@ from .evaluate import GraphRunner, parity, rank_vocabulary
 from .graph import GRAPH_VERSION, KV_CACHES, PRECISIONS, GraphOptions, build_graph, host_w8a8_kernel, save_model
 from .tokenizer import write_tokenizer
 
-# Chosen by measurement on the 2-core dev VMs (README "Quantization"): int8 weights per channel with int8 activations
-# per row (w8a8). Against int4 MatMulNBits: one-row calls 6-9% slower, 8-row verify calls 19-26% faster, so every
-# drafter earns more per step, and top-1 agreement with the fp32 source 0.86 instead of 0.63.
+# "auto": the candidates (AUTO_PRECISIONS) are built and measured on this host, and the fastest whose top-1 agreement
+# with the source reaches FIDELITY_FLOOR is kept (docs/design-decisions.md has the figures behind it)
 DEFAULT_PRECISION = "auto"
 # "auto": an int8 cache under quantized weights (int4, int8, w8a8), the graph's float type under fp32/fp16 ones
 DEFAULT_KV_CACHE = "auto"

@@ -1,4 +1,4 @@
-"""python -m export.precision_table [GGUF or HF dir] — the README's quantization table: for each precision, the
+"""python -m export.precision_table [GGUF or HF dir] — the precision table of docs/export.md: for each precision, the
 graph's size, its parity against the fp32 numpy reference on held-out chat prompts, and one-call latency."""
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ temperature) over the *whole* vocabulary, so the sampler turns [R, k] numbers in
 (`kernels.sampling.probs_from_top`) instead of sorting [R, V] floats in numpy. Measured on the dev VM (V = 49152,
 2 threads): the head costs ~0.07–0.09 ms per row on a sampling call and its `If` ~0.01 ms per greedy call, where
 the numpy path it replaces costs 0.3–0.7 ms per row for a top-p or top-k cut on random logits (less on a model's
-peaked ones: end to end, sampled decoding ran ×1.01–1.05 faster; README "How it is built").
+peaked ones: end to end, sampled decoding ran ×1.01–1.05 faster).
 
 Inputs (`head_feeds` gives a greedy call's; ONNX Runtime can neither IOBind an input that has a default
 initializer nor stay quiet about one, so there are none): `top_k` int64 [1] (k ≤ V), `temperature` float [1] (> 0

@@ -13,7 +13,7 @@ cache, so a chat client that resends the whole history each turn only prefills t
 (`usage.prompt_tokens_details.cached_tokens`). A client that disconnects stops its generation; the engine rolls
 its cache back in `finally`, so the next request starts from a consistent state.
 
-HTTP stack: starlette + uvicorn (pure Python, no pydantic); see the README's "OpenAI-compatible server" section.
+HTTP stack: starlette + uvicorn (pure Python, no pydantic); see docs/server.md.
 """
 from __future__ import annotations
 
