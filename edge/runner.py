@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -53,6 +53,25 @@ class Output(NamedTuple):
     def head(self) -> "Output":
         """The first row of each array (a 1-token call run as the first row of a wider one)."""
         return Output(*(None if a is None else a[:1] for a in self))
+
+
+class Session(Protocol):
+    """What the engine and the drafters use of a session over a graph (GraphSession, OptimumSession)."""
+    cache: KVCache
+    vocab: int
+    min_call: int  # narrowest call whose rows equal wider calls' (1, or 2 where a lone row is computed differently)
+    topk: int  # candidates per row the graph returns (0: none)
+    head: bool  # the on-graph sampling head is there
+    chains_exact: bool  # a token's logits do not depend on how many tokens follow it in a call
+    tree_exact: bool  # a tree call gives each token the logits of its own path
+    run_s: float  # seconds inside ONNX Runtime so far
+
+    def call(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True,
+             sample: tuple[float, int] | None = None) -> Output: ...
+
+    def forward(self, tokens, positions=None, bias=None, keep: int = 0) -> np.ndarray: ...
+
+    def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray: ...
 
 
 SMALL_CALL = 64  # calls up to this width (decode, verify) reuse their input buffers and output bindings
@@ -480,7 +499,7 @@ class OptimumSession:
 
 
 def open_session(path: str, manifest: Manifest, graph: GraphEntry, capacity: int, threads: int = 2,
-                 providers=("CPUExecutionProvider",)):
+                 providers=("CPUExecutionProvider",)) -> Session:
     """The session class a graph entry needs: our own graph layout, or an optimum export."""
     if graph.io == "optimum":
         return OptimumSession.from_manifest(path, manifest, graph, capacity, threads, providers)
