@@ -21,11 +21,6 @@ def _run(args, stdin=None, timeout=240, env=None):
                           timeout=timeout, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
-@pytest.fixture(scope="module")
-def model(exported_llama):
-    return str(exported_llama[0])
-
-
 def test_chat_prompt_json(model):
     r = _run(["edge.chat", "--model", model, "--prompt", "the quick brown fox", "--json", "--max-tokens", "12",
               "--drafter", "lookup", "--context", "256"])

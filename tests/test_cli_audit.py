@@ -4,7 +4,6 @@ model-directory tests reuse the session export (tiny_dir) from tests/conftest.py
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -50,13 +49,6 @@ def test_directory_with_only_a_config_json_is_not_called_a_checkpoint(tmp_path):
     with pytest.raises(ModelDirError) as ei:
         load_manifest(d)
     assert "holds a model checkpoint" not in str(ei.value) and "not a complete edgespec export" in str(ei.value)
-
-
-@pytest.fixture
-def model_copy(tiny_dir, tmp_path):
-    out = tmp_path / "model"
-    shutil.copytree(tiny_dir, out)
-    return out
 
 
 def test_reexport_command_names_the_recorded_source_checkpoint(model_copy):

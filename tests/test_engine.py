@@ -15,6 +15,7 @@ import edge
 from conftest import logits_alone_and_together
 from edge import EngineBusy, EngineError, ModelDirError
 from edge.engine import Engine
+from helpers import check_against, exact_first_tokens, speculative_first_tokens
 
 
 @pytest.fixture(scope="module")
@@ -204,47 +205,6 @@ def test_sampling_is_reproducible_for_a_seed(engine):
     assert c.token_ids == engine.generate(PROMPTS[0], max_tokens=8, temperature=1.0, seed=3, drafter="none").token_ids
 
 
-def _exact_first_tokens(engine, prompt, n: int, **sampling) -> dict[tuple[int, ...], float]:
-    """The target's exact distribution over its first n sampled tokens: every prefix prefilled afresh, its last
-    logits through the same temperature/top-k/top-p processing. Leaves the engine reset."""
-    from kernels.sampling import process_logits
-
-    ids = engine.encode(prompt)
-    dist = {(): 1.0}
-    for _ in range(n):
-        nxt = {}
-        for prefix, pr in dist.items():
-            engine.reset()
-            p = process_logits(engine.target.prefill(ids + list(prefix)).astype(np.float64), **sampling)
-            for t in np.flatnonzero(p):
-                nxt[prefix + (int(t),)] = pr * float(p[t])
-        dist = nxt
-    engine.reset()
-    return dist
-
-
-def _speculative_first_tokens(engine, prompt, n_samples: int, drafter: str, seeded: bool = True, **sampling):
-    """Counts of the first three tokens of `n_samples` speculative answers of four tokens (one token from the
-    prefill, then a step that drafts two), and the drafted/accepted totals. Unseeded, a model drafter samples its
-    drafts from q (seeded, it drafts its argmax)."""
-    from collections import Counter
-
-    counts, drafted, accepted = Counter(), 0, 0
-    for i in range(n_samples):
-        r = engine.generate(prompt, max_tokens=4, seed=5000 + i if seeded else None, drafter=drafter, draft_len=2,
-                            **sampling)
-        counts[tuple(r.token_ids[:3])] += 1
-        drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
-    return counts, drafted, accepted
-
-
-def _check_against(dist, counts):
-    from distribution import compare_to_distribution
-
-    keys = sorted(set(dist) | set(counts))  # an outcome the target cannot produce fails the check outright
-    return compare_to_distribution(np.array([counts[k] for k in keys]), np.array([dist.get(k, 0.0) for k in keys]))
-
-
 @pytest.mark.parametrize("drafter,sampling", [
     ("model", dict(temperature=1.5, top_k=4)), ("model", dict(temperature=1.0, top_k=6, top_p=0.7)),
     ("recycling", dict(temperature=1.5, top_k=4))])
@@ -256,14 +216,14 @@ def test_speculative_sampling_draws_the_targets_distribution(engine, drafter, sa
     must be both accepted and rejected, or the test would not exercise the rule. (Every answer here was seeded,
     which since the seeded model drafter drafts its argmax left the q path untested: a q that ignored top-p, or
     was not the distribution drafted from, passed.)"""
-    dist = _exact_first_tokens(engine, PROMPTS[2], 3, **sampling)  # from the full logits (process_logits)
+    dist = exact_first_tokens(engine, PROMPTS[2], 3, **sampling)  # from the full logits (process_logits)
     engine.generate(PROMPTS[2], max_tokens=40, drafter="recycling")  # warms Token Recycling's matrix
     hits = engine.head_hits
-    counts, drafted, accepted = _speculative_first_tokens(engine, PROMPTS[2], 2000, drafter,
+    counts, drafted, accepted = speculative_first_tokens(engine, PROMPTS[2], 2000, drafter,
                                                           seeded=drafter != "model", **sampling)
     assert engine.head_hits > hits  # verification read p from the on-graph head's top 4
     assert 0 < accepted < drafted, (drafted, accepted)
-    check = _check_against(dist, counts)
+    check = check_against(dist, counts)
     assert check.ok, check
 
 
@@ -362,11 +322,11 @@ def test_speculative_sampling_check_catches_a_wrong_rule(engine, monkeypatch):
         return len(tokens), sample_from(P[len(tokens)], rng)
 
     sampling = dict(temperature=1.5, top_k=4)
-    dist = _exact_first_tokens(engine, PROMPTS[2], 3, **sampling)
+    dist = exact_first_tokens(engine, PROMPTS[2], 3, **sampling)
     monkeypatch.setattr(engine_mod, "verify_sampling", accept_all)
-    counts, drafted, accepted = _speculative_first_tokens(engine, PROMPTS[2], 2000, "model", **sampling)
+    counts, drafted, accepted = speculative_first_tokens(engine, PROMPTS[2], 2000, "model", **sampling)
     assert accepted == drafted > 0
-    assert not _check_against(dist, counts).ok
+    assert not check_against(dist, counts).ok
 
 
 def test_memory_plan_drives_the_drafter_and_refuses_too_small_budgets(tiny_dir):
@@ -742,10 +702,6 @@ def test_sessions_do_not_trace_memory_patterns():
 # ------------------------------------------------------------------------------ bookkeeping a wrong loop still passes
 # Each of these caught a plausible bug that left every answer correct, so no other test noticed (session 22's
 # mutation audit: an extra call at max_tokens, counters, reuse, reset, the drafters' own state, the cache after a stop).
-
-@pytest.fixture
-def fresh(tiny_dir):
-    return edge.load(tiny_dir, drafter="none", context=256)
 
 
 def test_an_answer_ending_at_max_tokens_costs_no_extra_call(fresh):

@@ -20,11 +20,6 @@ from memory.acceptance import AcceptanceStats
 PROMPT = "def add(a, b):"
 
 
-@pytest.fixture
-def fresh(tiny_dir):
-    return edge.load(tiny_dir, drafter="none", context=256)
-
-
 # ------------------------------------------------------------------------------ what the adaptive length reads
 
 def test_a_probe_never_drafts_more_than_the_step_allows(fresh):

@@ -17,6 +17,7 @@ from edge.manifest import FORMAT_VERSION, load_manifest
 from export.checkpoint import load_hf_dir
 from export import pipeline
 from export.pipeline import export_model
+from helpers import check_against, exact_first_tokens, speculative_first_tokens
 
 DRAFT_SHAPE = dict(layers=1, hidden=96, heads=3, kv_heads=3, intermediate=96)  # target: 3 layers, 64, 4, 2, 128
 PROMPTS = ["the quick brown fox", "def add(a, b):", "Summarize: the council met"]
@@ -87,14 +88,12 @@ def test_greedy_with_the_checkpoint_drafter_equals_plain(exported, draft_len):
 
 
 def test_sampling_with_the_checkpoint_drafter_draws_the_targets_distribution(exported):
-    from test_engine import _check_against, _exact_first_tokens, _speculative_first_tokens
-
     e = edge.load(exported[0], drafter="none", context=256)
     sampling = dict(temperature=1.5, top_k=4)
-    dist = _exact_first_tokens(e, PROMPTS[2], 3, **sampling)
-    counts, drafted, accepted = _speculative_first_tokens(e, PROMPTS[2], 2000, "model", **sampling)
+    dist = exact_first_tokens(e, PROMPTS[2], 3, **sampling)
+    counts, drafted, accepted = speculative_first_tokens(e, PROMPTS[2], 2000, "model", **sampling)
     assert 0 < accepted < drafted, (drafted, accepted)
-    check = _check_against(dist, counts)
+    check = check_against(dist, counts)
     assert check.ok, check
 
 

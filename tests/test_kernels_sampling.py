@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -11,43 +9,9 @@ from hypothesis import strategies as st
 
 from kernels.sampling import make_sampler, process_logits, sample_from
 from distribution import chi2_quantile, compare_to_distribution
+from toy_lm import FixedU, slow_process
 
 PROPERTY = settings(max_examples=200, deadline=None, database=None)
-
-
-class FixedU:
-    """Stand-in rng whose ``random()`` returns preset values, to pin inverse-CDF cases."""
-
-    def __init__(self, *values: float) -> None:
-        self.values = list(values)
-
-    def random(self) -> float:
-        return self.values.pop(0)
-
-
-def slow_process(logits, temperature=1.0, top_k=0, top_p=1.0) -> list[float]:
-    """Reference for one row, in plain Python floats: sort-based top-k and top-p."""
-    v = len(logits)
-    x = [float(l) / temperature for l in logits]
-    # ranked on the logits themselves (dividing by T > 0 keeps their order; in floats it can underflow two distinct
-    # logits, 0 and 5e-324 at T = 3, into a tie); ties: lower id first
-    by_rank = sorted(range(v), key=lambda i: (-float(logits[i]), i))
-    kept = by_rank[:top_k] if 0 < top_k < v else by_rank
-    m = max(x[i] for i in kept)
-    w = {i: math.exp(x[i] - m) for i in kept}
-    z = sum(w.values())
-    probs = {i: w[i] / z for i in kept}
-    if top_p < 1.0:
-        order = sorted(kept, key=lambda i: (-probs[i], i))
-        nucleus, mass = [], 0.0
-        for i in order:
-            nucleus.append(i)
-            mass += probs[i]
-            if mass >= top_p:
-                break
-        z = sum(probs[i] for i in nucleus)
-        probs = {i: probs[i] / z for i in nucleus}
-    return [probs.get(i, 0.0) for i in range(v)]
 
 
 # ---------------------------------------------------------------- exact, table-driven cases

@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 
 import pytest
 
 from conftest import BOS, CHAT_TEMPLATE, EOS, MAX_LEN, TINY_EXPORT_DRAFTER, VOCAB
 from edge.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ModelDirError, load_manifest
-
-
-@pytest.fixture
-def model_copy(exported_llama, tmp_path):
-    """A private copy of the session export, free to damage."""
-    d, _ = exported_llama
-    out = tmp_path / "model"
-    shutil.copytree(d, out)
-    return out
 
 
 def edit_manifest(d, **changes):

@@ -21,7 +21,7 @@ from memory.footprint import (DEFAULT_CALIBRATIONS, WeightBytes, block_min_extra
                               embedding_resident_bytes)
 from memory.planner import (DEFAULT_VERIFY_SHAPE, Latency, best_chain, best_prefix, export_verify_shape, fullest,
                             plain_call_rows)
-from test_memory_footprint import SMOLLM2, smollm2_manifest
+from helpers import SMOLLM2, smollm2_manifest
 
 M = smollm2_manifest()
 DRAFT = "drafter-l2-v8192"

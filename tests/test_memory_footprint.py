@@ -2,8 +2,8 @@
 heads, head dim 64, hidden 576, intermediate 1536, vocab 49152; int4 body in blocks of 32 with zero points, 8-bit
 head, fp32 embedding, rotary tables for 8192 positions), plus monotonicity properties.
 
-The manifest below is the real one's numbers (edge_model.json of the embedded default), so these tests need no
-export on disk.
+The manifest (SMOLLM2, tests/helpers.py) holds the real one's numbers (edge_model.json of the embedded default), so
+these tests need no export on disk.
 """
 from __future__ import annotations
 
@@ -19,39 +19,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge.manifest import Manifest
+from helpers import SMOLLM2, smollm2_manifest
 from memory import (MB, Calibration, LinearBytes, Speculation, graph_weight_bytes, kv_bytes_per_token, kv_capacity,
                     linear_bytes, predict_peak, predict_weight_bytes, resident_weight_bytes)
 from memory.footprint import DEFAULT_CALIBRATIONS, LOOKUP_BYTES_PER_TOKEN
 
 PROPERTY = settings(max_examples=150, deadline=None, database=None)
 
-SMOLLM2 = {
-    "format_version": 1, "name": "SmolLM2-135M-Instruct",
-    "arch": {"family": "llama", "hidden": 576, "layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64,
-             "intermediate": 1536, "vocab": 49152, "rope_theta": 100000.0, "max_positions": 8192,
-             "tie_embeddings": True, "qkv_bias": False},
-    "graphs": [
-        {"role": "target", "name": "target", "file": "target/model.onnx", "layers": 30, "vocab": 49152,
-         "precision": "int4", "block_size": 32, "accuracy_level": 4, "lm_head_bits": 8, "max_len": 8192,
-         "kv_dtype": "float32", "weight_bytes": 216340933, "stats": {"latency_ms_s1": 29.458}},
-        {"role": "drafter", "name": "drafter-l2-v8192", "file": "drafter-l2-v8192/model.onnx", "layers": 2,
-         "vocab": 8192, "precision": "int4", "block_size": 32, "accuracy_level": 4, "lm_head_bits": 8,
-         "max_len": 8192, "kv_dtype": "float32", "id_map": "drafter-l2-v8192/id_map.npy",
-         "weight_bytes": 125353879, "stats": {"top1_agreement": 0.0258, "latency_ms_s1": 0.872}},
-    ],
-    "files": [], "tokenizer": "tokenizer.json", "chat_template": None,
-    "special_tokens": {"bos": 1, "eos": [2], "pad": 2}, "source": {}, "converter": {},
-}
 # external data files of the real export (model.onnx.data), i.e. weight_bytes without the graph protobuf
 TARGET_DATA, DRAFTER_DATA = 216_233_216, 125_345_024
-
-
-def smollm2_manifest(**graph_overrides) -> Manifest:
-    d = copy.deepcopy(SMOLLM2)
-    for g in d["graphs"]:
-        g.update(graph_overrides)
-    return Manifest.from_dict(d)
-
 
 M = smollm2_manifest()  # an int4 export from before GRAPH_VERSION 6: integer zero points (block_min=False)
 CPU = DEFAULT_CALIBRATIONS["cpu"]

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from devices import check_available, list_profiles, load_profile
+from helpers import smollm2_manifest
 from memory import (AcceptanceStats, BudgetError, LatencyCurve, Plan, PlanError, Speculation, candidates,
                     min_budget_plain, min_budget_speculative, plan, predict_peak, replan)
 from memory.footprint import DEFAULT_CALIBRATIONS
 from memory.planner import DEFAULT_T1_MS, Latency
-from test_memory_footprint import smollm2_manifest
 
 M = smollm2_manifest()
 DRAFT = "drafter-l2-v8192"

@@ -6,11 +6,6 @@ import pytest
 from edge.tools import bench
 
 
-@pytest.fixture(scope="module")
-def model(exported_llama):
-    return str(exported_llama[0])
-
-
 def _prompts(tmp_path, items, name="p.jsonl"):
     f = tmp_path / name
     f.write_text("".join(json.dumps(it) + "\n" for it in items))

@@ -30,11 +30,6 @@ fake_og = _load("fake_og", HERE / "fake_genai" / "onnxruntime_genai" / "__init__
 fake_llama = _load("fake_llama", HERE / "fake_llama" / "llama_cpp" / "__init__.py")
 
 
-@pytest.fixture(scope="module")
-def model(exported_llama):
-    return str(exported_llama[0])
-
-
 def _gguf(path: Path) -> str:
     path.write_bytes(b"GGUF" + bytes(12))
     return str(path)
