@@ -1,13 +1,22 @@
-"""Plain helpers shared by several test files (fixtures live in conftest.py): the target's exact distribution over
-its first sampled tokens and the speculative counts to compare with it, and the embedded SmolLM2-135M export's
-manifest numbers for the memory tests."""
+"""Plain helpers shared by several test files (fixtures live in conftest.py): a command-line tool run as a user runs
+it, the target's exact distribution over its first sampled tokens and the speculative counts to compare with it, and
+the embedded SmolLM2-135M export's manifest numbers for the memory tests."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import numpy as np
 
 from edge.manifest import Manifest
+
+
+def run_module(args, stdin=None, timeout=240, env=None) -> subprocess.CompletedProcess:
+    """`python -m ARGS` in a subprocess, offline, its output captured as text; `env` adds to this process's."""
+    return subprocess.run([sys.executable, "-m", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
 
 
 # ----------------------------------------------------------------------------- sampling through the engine

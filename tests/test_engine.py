@@ -800,3 +800,21 @@ def test_the_cache_holds_exactly_the_emitted_tokens_after_a_stop(fresh):
         assert r.finish_reason == "stop"
         assert fresh.cached == fresh.encode(prompt) + r.token_ids[:-1]
         assert fresh.target.cache.length == len(fresh.cached)
+
+
+def test_drafter_state_round_trip(model):
+    import numpy as np
+
+    import edge
+
+    e = edge.load(model, drafter="none", context=256)
+    e.generate("the quick brown fox", max_tokens=8, drafter="recycling")
+    state = e.drafter_state()
+    adj = e.recycling.adj.copy()
+    e.generate("one two three four five", max_tokens=8, drafter="recycling")
+    assert not np.array_equal(e.recycling.adj, adj)  # the second answer taught it something
+    e.set_drafter_state(state)
+    assert np.array_equal(e.recycling.adj, adj)
+    e.recycling.adj[:] = 0  # the snapshot is a copy, not the live tables
+    e.set_drafter_state(state)
+    assert np.array_equal(e.recycling.adj, adj)

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from edge.tools import bench, peer, peer_genai, peer_llama
+from helpers import run_module
 
 HERE = Path(__file__).parent
 FAKE_GENAI, FAKE_LLAMA = str(HERE / "fake_genai"), str(HERE / "fake_llama")
@@ -420,3 +421,122 @@ def test_the_fp32_cache_key_follows_the_weights_not_other_files(tmp_path):
     assert bench._reference_fingerprint(str(tmp_path)) == before
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)  # re-exported weights: computed again
     assert bench._reference_fingerprint(str(tmp_path)) != before
+
+
+# ----------------------------------------------------------------------------- genai in edge-bench's rotation
+
+def _peer_prompts(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "category": c, "turns": t}) for i, (c, t) in enumerate(
+        [("qa", ["the quick brown fox"]), ("code", ["def add(a, b):", "now subtract"])])) + "\n")
+    return prompts
+
+
+def test_bench_peer_joins_the_rotation_on_the_same_ids(model, tmp_path):
+    """--peer-model: the peer's greedy and n-gram modes run each first turn on the ids edgespec's template gives;
+    its n-gram answers are compared with its own greedy ones, and every edgespec mode with its best mode."""
+    out = tmp_path / "b.json"
+    r = run_module(["edge.tools.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "2",
+                    "--max-tokens", "9", "--modes", "none,lookup", "--peer-model", str(tmp_path), "--out", str(out),
+                    "--quiet"],
+                   env={"PYTHONPATH": FAKE_GENAI})
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["modes"] == ["none", "lookup", "genai", "genai-ngram"] and doc["peer"]["version"] == "0.0-fake"
+    runs = doc["runs"]
+    import edge
+
+    engine = edge.load(model, drafter="none")
+    for pid, first in (("x0", "the quick brown fox"), ("x1", "def add(a, b):")):
+        ids = engine.encode([{"role": "user", "content": first}])  # what a chat's first turn sends
+        assert {r["prompt_tokens"] for r in runs if r["id"] == pid and r["mode"] == "none" and r["turn"] == 0} \
+            == {len(ids)}
+        for mode, ngram in (("genai", False), ("genai-ngram", True)):
+            theirs = [r for r in runs if r["id"] == pid and r["mode"] == mode]
+            assert len(theirs) == 2 and all(r["tokens"] == fake_og.answer(ids, 9, ngram) and r["n_gen"] == 9
+                                            for r in theirs)
+    assert not [r for r in runs if r["mode"].startswith("genai") and r["turn"] > 0]  # the peer runs first turns
+    s = doc["summary"]
+    assert set(s["code+turn2"]) == {"none", "lookup"}
+    for c in ("qa", "code"):
+        assert s[c]["genai-ngram"]["identical_to_own_greedy"] == "0/1"  # the fake's n-gram changes a token
+        assert s[c]["genai"]["identical_to_own_greedy"] is None and "identical_to_none" not in s[c]["genai"]
+        assert s[c]["lookup"]["identical_to_none"] == "1/1"
+        first = next(r["tokens"] for r in runs if r["category"] == c and r["mode"] == "genai")
+        assert s[c]["genai"]["looping"] == f"{int(bench.loops(first))}/1"
+        vs = doc["versus_peer"][c]
+        assert vs["peer_best"] in ("genai", "genai-ngram") and set(vs) == {"peer_best", "none", "lookup"}
+        best = [r["decode_tok_s"] for r in runs if r["category"] == c and r["mode"] == vs["peer_best"]]
+        none = [r["decode_tok_s"] for r in runs if r["category"] == c and r["mode"] == "none"]
+        assert len(none) == len(best) == 2  # one prompt per category: the median of 2 repeats is their mean
+        assert vs["none"] == pytest.approx(sum(none) / sum(best), abs=1e-3)
+    md = out.with_suffix(".md").read_text()
+    assert "same as genai" in md and "| category | peer's best mode | none × peer best | lookup × peer best |" in md
+
+
+@pytest.mark.parametrize("flags,env,needle", [
+    (["--peer-model", "{tmp}"], {"PYTHONPATH": "{tmp}/broken"}, "cannot import onnxruntime_genai"),
+    (["--peer-model", "{tmp}"], {"PYTHONPATH": FAKE_GENAI, "FAKE_GENAI_FAIL_AFTER": "0"}, "fake failure"),  # warm-up
+    (["--peer-python", "/usr/bin/python3"], {}, "--peer-python needs --peer-model"),
+    (["--peer-model", "{tmp}", "--peer-python", "/bin/echo"], {}, "not edge/tools/peer_genai.py's protocol"),
+    (["--peer-model", "{tmp}/missing"], {"PYTHONPATH": FAKE_GENAI}, "cannot load"),
+    (["--peer-model", "{tmp}", "--peer-python", "/nonexistent/python"], {}, "cannot start /nonexistent/python"),
+    (["--modes", "none,genai"], {}, "genai modes need --peer-model"),
+    (["--peer-model", "{tmp}", "--temp", "0.7"], {"PYTHONPATH": FAKE_GENAI}, "greedy decoding only"),
+])
+def test_bench_peer_problems_are_one_line(model, tmp_path, flags, env, needle):
+    (tmp_path / "broken" / "onnxruntime_genai").mkdir(parents=True)  # a Python whose onnxruntime_genai is broken
+    (tmp_path / "broken" / "onnxruntime_genai" / "__init__.py").write_text("raise ImportError('no native library')")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    env = {k: v.format(tmp=tmp_path) for k, v in env.items()}
+    r = run_module(["edge.tools.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "1",
+                    "--max-tokens", "4", "--out", str(tmp_path / "b.json"), "--quiet", *flags], env=env)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_bench_peer_failing_midway_keeps_what_ran(model, tmp_path):
+    """A peer that dies after its warm-up and two answers: the runs so far are summarized and written, exit 1."""
+    out = tmp_path / "b.json"
+    r = run_module(["edge.tools.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "2",
+                    "--max-tokens", "6", "--modes", "none", "--peer-model", str(tmp_path), "--out", str(out),
+                    "--quiet"],
+                   env={"PYTHONPATH": FAKE_GENAI, "FAKE_GENAI_FAIL_AFTER": "3"})
+    assert r.returncode == 1 and "the peer failed (onnxruntime-genai failed: fake failure)" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    doc = json.loads(out.read_text())
+    assert sum(r["mode"].startswith("genai") for r in doc["runs"]) == 2 and doc["summary"]["code"]["none"]
+
+
+def test_bench_peer_answers_that_end_count_their_end_token(model, tmp_path):
+    """onnxruntime-genai 0.18 leaves the end token out of its sequence; edgespec counts its own, so the peer's
+    n_gen (and tok/s) must count it too: an answer of 4 tokens that ended is 5 generated."""
+    out = tmp_path / "b.json"
+    r = run_module(["edge.tools.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "1",
+                    "--max-tokens", "9", "--modes", "none,genai", "--peer-model", str(tmp_path), "--out", str(out),
+                    "--quiet"],
+                   env={"PYTHONPATH": FAKE_GENAI, "FAKE_GENAI_EOS_AFTER": "4"})
+    assert r.returncode == 0, r.stderr
+    theirs = [r for r in json.loads(out.read_text())["runs"] if r["mode"] == "genai"]
+    assert theirs and all(len(r["tokens"]) == 4 and r["n_gen"] == 5 and
+                          r["decode_tok_s"] == pytest.approx(4 / r["decode_s"]) for r in theirs)
+
+
+def test_bench_peer_changes_nothing_about_our_own_runs(model, tmp_path):
+    """The peer joins the rotation but teaches edgespec's drafters nothing, and it must not stop a prompt from
+    teaching them: with 5 modes, prompts whose rotation starts with a peer mode used to pass on the state from
+    before the prompt. Every edgespec run drafts and accepts exactly as in the same bench without the peer."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": "qa", "turns": [t]}) + "\n" for i, t in enumerate(
+        ["the quick brown fox jumps over the lazy dog", "the quick brown fox jumps", "a lazy dog sleeps over the "
+         "quick brown fox", "the lazy dog and the quick brown fox", "quick brown fox, lazy dog"])))
+    counts = []
+    for with_peer in ([], ["--peer-model", str(tmp_path)]):
+        out = tmp_path / f"b{len(with_peer)}.json"
+        r = run_module(["edge.tools.bench", str(prompts), "--model", model, "--reps", "2", "--max-tokens", "24",
+                        "--modes", "none,recycling,hybrid", *with_peer, "--out", str(out), "--quiet"],
+                       env={"PYTHONPATH": FAKE_GENAI})
+        assert r.returncode == 0, r.stderr
+        counts.append({(r["id"], r["mode"], r["rep"]): (r["drafted"], r["accepted"], r["steps"])
+                       for r in json.loads(out.read_text())["runs"] if not r["mode"].startswith("genai")})
+    assert len(counts[0]) == 30 and counts[0] == counts[1]
