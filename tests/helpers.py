@@ -1,9 +1,10 @@
 """Plain helpers shared by several test files (fixtures live in conftest.py): a command-line tool run as a user runs
-it, the target's exact distribution over its first sampled tokens and the speculative counts to compare with it, and
-the embedded SmolLM2-135M export's manifest numbers for the memory tests."""
+it, the target's exact distribution over its first sampled tokens and the speculative counts to compare with it, the
+embedded SmolLM2-135M export's manifest numbers and the expected accepted length of a chain for the memory tests."""
 from __future__ import annotations
 
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -88,3 +89,10 @@ def smollm2_manifest(**graph_overrides) -> Manifest:
     for g in d["graphs"]:
         g.update(graph_overrides)
     return Manifest.from_dict(d)
+
+
+# ----------------------------------------------------------------------------- expected accepted tokens
+
+def chain_acc(rates, k, h=1.0):
+    """E[accepted] of a K-token chain with per-depth acceptance `rates`: h · sum_d prod_{j<=d} a_j."""
+    return h * sum(math.prod(rates[:d]) for d in range(1, k + 1))
