@@ -15,7 +15,7 @@ from devices import (CPU_EP, HOST, DeviceProfile, ProfileError, ProviderUnavaila
                      check_available, detect_host, list_profiles, load_profile, profile_from_dict)
 
 SHIPPED = [n for n in list_profiles() if n != HOST]
-REQUIRED = {  # the issue's list: name → (device class, execution provider)
+REQUIRED = {  # the profiles that must ship: name → (device class, execution provider)
     "laptop-cpu-16gb": ("cpu", "CPUExecutionProvider"),
     "nvidia-laptop-gpu-8gb": ("gpu", "CUDAExecutionProvider"),
     "apple-m3-16gb": ("gpu", "CoreMLExecutionProvider"),
@@ -42,7 +42,7 @@ def test_every_shipped_profile_loads_and_validates(name):
     assert len(p.source) > 40  # names the public spec
     if p.app_memory_cap_mb:
         assert p.budget_mb <= p.app_memory_cap_mb
-    if p.device_class == "npu":  # the issue: NPUs run quantized weights, fp16 activations, fixed shapes
+    if p.device_class == "npu":  # NPUs run quantized weights, fp16 activations, fixed shapes
         assert p.static_shapes and "fp32" not in p.weight_precisions and p.activation_dtype == "float16"
         assert p.prefill_chunk in p.shape_buckets and 1 in p.shape_buckets
     json.dumps(p.to_dict())

@@ -76,7 +76,7 @@ def test_manifest_describes_an_optimum_graph(gpt2):
     assert (t.io, t.tree_capable, t.precision) == ("optimum", False, "fp32")
     assert m.arch["layers"] == 2 and m.arch["kv_heads"] == 4 and m.arch["head_dim"] == 16 and m.arch["vocab"] == VOCAB
     assert m.drafters == [] and m.source["via"] == "optimum"
-    # fp32: the parity bar against the source model
+    # fp32: exact top-1 agreement with the source model, logits within 1e-3
     assert m.parity["top1_agreement"] == 1.0 and m.parity["max_abs_diff"] <= 1e-3, m.parity
     on_disk = json.loads((root / "gpt2-fp32" / "edge_model.json").read_text())
     assert on_disk["graphs"][0]["io"] == "optimum"

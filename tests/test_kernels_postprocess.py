@@ -99,7 +99,7 @@ def test_probs_from_top_declines_what_the_head_cannot_hold():
                                                (3, 0.5, [1, 0, 0, 0]), (0, 0.875, [4 / 7, 2 / 7, 1 / 7, 0])])
 def test_a_nucleus_that_closes_exactly_on_a_cumulative_mass_keeps_no_token_more(top_k, top_p, want):
     """Probabilities that are binary fractions sum exactly: at top-p 0.5 over [.5, .25, .125, .125] the nucleus is
-    the first token alone, as process_logits cuts it (a `<=` in the cut kept [2/3, 1/3] and passed every test)."""
+    the first token alone, as process_logits cuts it (a `<=` in the cut would keep [2/3, 1/3])."""
     p = np.array([[0.5, 0.25, 0.125, 0.125]])
     ids = np.arange(4)[None, :]
     got, exact = probs_from_top(ids, p, 4, top_k, top_p)
