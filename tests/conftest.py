@@ -1,4 +1,6 @@
-"""Shared fixtures for the exporter tests: tiny random checkpoints built here (no downloads) and one fp32 export.
+"""Shared fixtures: tiny random checkpoints built here (no downloads), one fp32 export of the tiny llama for the
+session, engines and copies of that export, and the shared-buffer session and live server the graph and server tests
+drive.
 
 Weights are re-drawn at O(1) scale (not transformers' 0.02 init) so logits spread over several units and top-1
 comparisons mean something; norms and biases are random too, so a dropped norm weight or bias shows up.
@@ -6,9 +8,9 @@ comparisons mean something; norms and biases are random too, so a dropped norm w
 from __future__ import annotations
 
 import contextlib
-
 import json
 import os
+import shutil
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -156,6 +158,46 @@ def exported_llama(tmp_path_factory, tiny_llama_dir):
 def tiny_dir(exported_llama):
     """The session's tiny llama export directory (read-only)."""
     return exported_llama[0]
+
+
+@pytest.fixture(scope="module")
+def model(exported_llama) -> str:
+    """The session export's directory as a command line takes it (read-only)."""
+    return str(exported_llama[0])
+
+
+@pytest.fixture
+def model_copy(exported_llama, tmp_path) -> Path:
+    """A private copy of the session export, free to damage."""
+    out = tmp_path / "model"
+    shutil.copytree(exported_llama[0], out)
+    return out
+
+
+# ----------------------------------------------------------------------------- engines on the session export
+
+@pytest.fixture
+def fresh(tiny_dir):
+    """A new engine for this test alone (plain decoding by default, context 256): free to change its state."""
+    import edge
+
+    return edge.load(tiny_dir, drafter="none", context=256)
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tiny_dir):
+    """generate(messages, **kw) on an engine with an empty cache and drafter state: the lossless reference. One
+    engine per test module (`plain_reference.engine`), reset before every answer."""
+    import edge
+
+    engine = edge.load(tiny_dir, drafter="none")
+
+    def generate(messages, **kw):
+        engine.reset()
+        return engine.generate(messages, **{"drafter": "none", **kw})
+
+    generate.engine = engine
+    return generate
 
 
 # ----------------------------------------------------------------------------- ORT with shared KV buffers

@@ -15,7 +15,7 @@ from devices import (CPU_EP, HOST, DeviceProfile, ProfileError, ProviderUnavaila
                      check_available, detect_host, list_profiles, load_profile, profile_from_dict)
 
 SHIPPED = [n for n in list_profiles() if n != HOST]
-REQUIRED = {  # the issue's list: name → (device class, execution provider)
+REQUIRED = {  # the profiles that must ship: name → (device class, execution provider)
     "laptop-cpu-16gb": ("cpu", "CPUExecutionProvider"),
     "nvidia-laptop-gpu-8gb": ("gpu", "CUDAExecutionProvider"),
     "apple-m3-16gb": ("gpu", "CoreMLExecutionProvider"),
@@ -42,7 +42,7 @@ def test_every_shipped_profile_loads_and_validates(name):
     assert len(p.source) > 40  # names the public spec
     if p.app_memory_cap_mb:
         assert p.budget_mb <= p.app_memory_cap_mb
-    if p.device_class == "npu":  # the issue: NPUs run quantized weights, fp16 activations, fixed shapes
+    if p.device_class == "npu":  # NPUs run quantized weights, fp16 activations, fixed shapes
         assert p.static_shapes and "fp32" not in p.weight_precisions and p.activation_dtype == "float16"
         assert p.prefill_chunk in p.shape_buckets and 1 in p.shape_buckets
     json.dumps(p.to_dict())
@@ -237,3 +237,51 @@ def test_devices_imports_onnxruntime_only_when_asked():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert CPU_EP in available_providers()
+
+
+def _cgroup(tmp_path, monkeypatch, own, files):
+    fake_cgroup(tmp_path, monkeypatch, own, files)
+    return devices.cgroup_memory()
+
+
+ONE_GIB = 1 << 30
+
+
+@pytest.mark.parametrize("own,files,want", [
+    # v1 writes "no limit" as a page-rounded 2^63: not a limit
+    ("4:memory:/\n", {"memory/memory.limit_in_bytes": str(2**63 - 4096), "memory/memory.usage_in_bytes": "1"}, None),
+    # more inactive page cache than usage (counters read at different moments): the working set is 0, not < 0
+    ("0::/\n", {"memory.max": str(ONE_GIB), "memory.current": str(100 << 20),
+                "memory.stat": f"inactive_file {200 << 20}\n"}, (ONE_GIB, ONE_GIB)),
+    # over the limit (the kernel is reclaiming): no room, not negative room
+    ("0::/\n", {"memory.max": str(ONE_GIB), "memory.current": str(ONE_GIB + (64 << 20))}, (ONE_GIB, 0)),
+    # cgroup v2 present without a limit is the answer: a stale v1 hierarchy is not consulted
+    ("0::/\n4:memory:/\n", {"memory.max": "max", "memory.current": "1", "memory/memory.limit_in_bytes": str(ONE_GIB),
+                            "memory/memory.usage_in_bytes": "1"}, None),
+])
+def test_cgroup_memory_edge_cases(tmp_path, monkeypatch, own, files, want):
+    assert _cgroup(tmp_path, monkeypatch, own, files) == want
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(app_memory_cap_mb=BASE["memory_total_mb"] + 1), "app_memory_cap_mb"),
+    (dict(shape_buckets=[1, 4, 4, 8]), "shape_buckets"),
+    (dict(shape_buckets=[1, 2.5, 8]), "shape_buckets"),
+    (dict(memory_total_mb=16000.5), "memory_total_mb"),
+    (dict(prefill_chunk=6), "prefill_chunk"),  # below the largest bucket but not one of them
+])
+def test_inconsistent_profile_fields_are_refused_by_name(change, field):
+    with pytest.raises(ProfileError, match=field):
+        profile_from_dict({**BASE, **change}, "test.json")
+
+
+def test_budget_may_be_all_of_the_memory_and_profiles_round_trip_as_tuples(tmp_path, monkeypatch):
+    p = profile_from_dict({**BASE, "budget_mb": BASE["memory_total_mb"], "app_memory_cap_mb": None})
+    assert p.budget_mb == p.memory_total_mb
+    p = profile_from_dict({**BASE, "providers_installed": ["CPUExecutionProvider"]})
+    assert p.providers_installed == ("CPUExecutionProvider",) and hash(p)
+    s = devices.check_available(load_profile("snapdragon-x-npu"), simulate=True, providers=["CPUExecutionProvider"])
+    assert s.simulated_provider == "QNNExecutionProvider"
+    (tmp_path / "mine.json").write_text(json.dumps({**BASE, "name": "mine"}))
+    monkeypatch.chdir(tmp_path)
+    assert load_profile("mine.json").name == "mine"  # a bare file name ending in .json is a path

@@ -1,8 +1,14 @@
-"""Drafters in isolation: table-driven cases and bounds (the engine tests check losslessness end to end)."""
+"""Drafters in isolation (edge/drafters.py): table-driven cases and bounds; the model drafter over a stand-in session
+whose greedy token is a hash of its whole context, so a drafter cache one token off drafts something else. The engine
+tests check losslessness end to end."""
+import itertools
+
 import numpy as np
 import pytest
 
-from edge.drafters import Draft, HybridDrafter, LookupDrafter, RecyclingDrafter, tree_template
+from edge.drafters import Draft, HybridDrafter, LookupDrafter, ModelDrafter, RecyclingDrafter, tree_template
+from edge.kv import KVCache
+from edge.runner import GraphSession
 from kernels.tree import TreeLayout
 
 
@@ -282,3 +288,252 @@ def test_recycling_pair_table_reads_back_what_observe_wrote():
     for p, t in zip(prev.tolist(), tok.tolist()):  # written one by one through observe, read back by the scalar hash
         d.observe([t], np.array([[t % 7, 0]]), before=p)
         assert d.pair_successor(p, t) == t % 7
+
+
+# ----------------------------------------------------------------------------- lookup: history and matches
+
+def test_lookup_rebuilds_on_a_divergence_after_a_common_prefix():
+    """An edited last message (same start, different end) must not leave the old tail in the history, or the drafts
+    continue text the conversation no longer holds: the history is rebuilt even when the two share a prefix."""
+    d = LookupDrafter()
+    d.begin([1, 2, 3, 4, 5, 6])
+    d.begin([1, 2, 3, 9, 7, 1, 2])
+    assert d.history == [1, 2, 3, 9, 7, 1, 2]
+    assert d.draft(3).tokens.tolist() == [3, 9, 7]
+
+
+def test_lookup_finds_an_ngram_at_the_very_start_of_the_history():
+    """An n-gram that starts at the first position of the history is indexed too."""
+    d = LookupDrafter(max_ngram=2, min_ngram=2)
+    d.begin([1, 2, 3, 1, 2])
+    assert d.draft(2).tokens.tolist() == [3, 1]
+
+
+def test_lookup_bounded_history_keeps_the_recent_tokens():
+    """Bounding the history keeps its recent half (what the next tokens continue), not the oldest tokens."""
+    d = LookupDrafter(max_history=100)
+    ctx = list(range(1000, 1300)) + [1290]
+    d.begin(ctx)
+    assert d.history == ctx[-len(d.history):] and 0 < len(d.history) <= 100
+    assert d.draft(3).tokens.tolist() == [1291, 1292, 1293]
+
+
+def test_lookup_long_match_reaching_the_start_of_the_history():
+    """A repeat that runs back to the first token of the history is as long as it is: an 8-token repeat is labelled
+    lookup:8, not stopped one token short of the start and labelled a 4-gram match."""
+    a = [11, 12, 13, 14, 15, 16, 17, 18]
+    d = LookupDrafter(max_ngram=4)
+    d.begin(a + a)
+    got = d.draft(2)
+    assert got.tokens.tolist() == [11, 12] and got.source == "lookup:8"
+
+
+# ----------------------------------------------------------------------------- model drafter with a fake session
+
+class _FakeSession:
+    """The slice of GraphSession a ModelDrafter uses, over a real KVCache: the greedy next token is a hash of the
+    whole context held in the cache slots (so a drafter cache that holds one token too many or too few drafts
+    something else). `conf(context)` gives the argmax's logit margin over the other V-1 (all equal)."""
+
+    def __init__(self, vocab=50, capacity=64, margin=lambda ctx: 8.0):
+        self.V, self.cache, self.margin = vocab, KVCache(1, 1, 1, capacity), margin
+        self.slots = [None] * (capacity + 1)
+
+    def next_token(self, ctx) -> int:
+        return hash(tuple(ctx)) % self.V
+
+    def forward(self, ids, keep=0):
+        ids = [int(t) for t in ids]
+        assert ids, "an empty call"
+        self.cache.check_room(len(ids))
+        L = self.cache.length
+        self.slots[L : L + len(ids)] = ids
+        rows = []
+        for i in range(len(ids)):
+            ctx = self.slots[: L + i + 1]
+            row = np.zeros(self.V, np.float32)
+            row[self.next_token(ctx)] = self.margin(ctx)
+            rows.append(row)
+        rows = np.array(rows)
+        return rows if keep == 0 else rows[-keep:]
+
+    prefill = GraphSession.prefill  # the real chunked prefill over this forward and cache
+
+
+def _oracle(sess, ctx, n):
+    """The n greedy tokens the drafter model would propose after ctx, computed from scratch."""
+    ctx, out = list(ctx), []
+    for _ in range(n):
+        t = sess.next_token(ctx)
+        out.append(t)
+        ctx.append(t)
+    return out
+
+
+def test_model_drafter_drafts_follow_the_committed_context_through_partial_accepts():
+    """After every accept (all, some, or none of the drafts taken) the next draft equals what the drafter model
+    proposes from scratch after the committed context, and the drafter's cache holds exactly the committed tokens: a
+    rollback trims only drafts that were fed (the pending root is not one), and the tokens pending after an accept
+    keep the last accepted draft."""
+    sess = _FakeSession()
+    d = ModelDrafter(sess, np.arange(sess.V), sess.V)
+    ctx = [3, 1, 4, 1, 5]
+    d.begin(ctx)
+    rng = np.random.default_rng(0)
+    for step in range(12):
+        drafted = d.draft(4).tokens.tolist()
+        assert drafted == _oracle(sess, ctx, 4), step
+        n_acc = [4, 0, 2, 3, 1][step % 5]  # all, none, some
+        bonus = int(rng.integers(sess.V))
+        new = drafted[:n_acc] + [bonus]
+        d.accept(new)
+        ctx += new
+        assert sess.cache.tokens + d.pending == ctx and sess.cache.length == len(sess.cache.tokens), step
+
+
+def test_model_drafter_begin_on_a_context_it_already_holds():
+    """A new request whose context equals everything in the drafter's cache (its drafts were all accepted, the answer
+    ended) still leaves the last token pending, so the next draft has a root to feed."""
+    sess = _FakeSession()
+    d = ModelDrafter(sess, np.arange(sess.V), sess.V)
+    ctx = [7, 8, 9]
+    d.begin(ctx)
+    d.draft(3)  # the drafter's cache now holds ctx + the first two drafts
+    again = list(sess.cache.tokens)
+    d.begin(again)
+    assert sess.cache.tokens + d.pending == again and d.pending == again[-1:]
+    assert d.draft(2).tokens.tolist() == _oracle(sess, again, 2)
+
+
+def test_model_drafter_threshold_reads_the_softmax_confidence():
+    """Drafting stops when the drafter's top softmax probability (from the logits shifted by their maximum) drops
+    below the threshold, but never before its first token."""
+    sure = _FakeSession(margin=lambda ctx: 8.0)  # top probability ≈ 0.98 over 50 tokens
+    d = ModelDrafter(sure, np.arange(sure.V), sure.V, threshold=0.5)
+    d.begin([1, 2, 3])
+    assert len(d.draft(4)) == 4
+    flat = _FakeSession(margin=lambda ctx: 0.5)  # top probability ≈ 0.03: below the threshold from the start
+    d = ModelDrafter(flat, np.arange(flat.V), flat.V, threshold=0.5)
+    d.begin([1, 2, 3])
+    assert len(d.draft(4)) == 1
+
+
+# ----------------------------------------------------------------------------- Token Recycling and hybrid trees
+
+@pytest.mark.parametrize("nodes", [4, 8, 16, 24])
+def test_tree_template_holds_the_most_likely_paths(nodes):
+    """With decreasing per-rank priors the template is the `nodes` most probable paths (probability = product of the
+    priors of the ranks along it), every rank included: a next sibling is scored from its parent's path, not its
+    elder sibling's, and the last rank grows too."""
+    prior = [0.45, 0.25, 0.15, 0.1]
+    t = tree_template(nodes, prior)
+    score = []
+    for parent, rank in t:
+        score.append((score[parent] if parent >= 0 else 1.0) * prior[rank])
+    paths = [np.prod([prior[r] for r in seq])
+             for depth in range(1, 6) for seq in itertools.product(range(4), repeat=depth)]
+    best = sorted(paths, reverse=True)[:nodes]
+    assert np.allclose(sorted(score, reverse=True), best)
+
+
+def test_recycling_tree_never_drafts_from_a_row_it_never_observed():
+    """A token whose successors were never observed has an all-zero row: the tree never drafts "children" from it,
+    which would propose token 0 over and over."""
+    d = RecyclingDrafter(100, k=4)
+    d.observe([10, 20], np.array([[20, 21, 22, 23], [30, 31, 32, 33]]))
+    d.begin([10])
+    dr = d.draft(16)
+    for i, tok in enumerate(dr.tokens.tolist()):
+        p = int(dr.parents[i])
+        parent_tok = 10 if p == 0 else int(dr.tokens[p - 1])
+        assert d.seen[parent_tok], (i, tok, parent_tok)
+    assert 0 not in dr.tokens.tolist()
+
+
+def test_recycling_priors_count_the_rank_in_the_row_the_draft_used():
+    """In the engine's order — draft from the root's row, the verify call's observe(), then accept() — the rank
+    prior that grows is the rank the target's token had in the row the draft was read from."""
+    d = RecyclingDrafter(100, k=4)
+    d.observe([1], np.array([[20, 21, 22, 23]]))  # an earlier call: after 1 the target ranked 20, 21, 22, 23
+    d.begin([0, 1])
+    dr = d.draft(4)
+    before = d.prior_counts.copy()
+    top = np.array([[22, 20, 21, 23]] + [[0, 0, 0, 0]] * len(dr))  # this call: the target's top after 1 is 22
+    d.observe([1] + dr.tokens.tolist(), top, [-1] + dr.parents.tolist(), before=0)
+    d.accept([22])
+    assert np.allclose(d.prior_counts - before, [0, 0, 1, 0])
+
+
+def test_recycling_keeps_the_best_k_candidates_of_a_wider_call():
+    """A sampling call can return more candidates than the matrix keeps (the head's k): the best k are kept, not the
+    last k."""
+    d = RecyclingDrafter(100, k=2)
+    d.observe([5, 6], np.array([[7, 8, 9, 10], [11, 12, 13, 14]]))
+    assert d.adj[5].tolist() == [7, 8] and d.adj[6].tolist() == [11, 12]
+
+
+def test_recycling_one_token_accept_keeps_the_pair_context():
+    """A step that accepts no draft emits one token; the token before the new root is then the old root, and the next
+    chain starts from the two-token table."""
+    d = RecyclingDrafter(100, k=2, chains_only=True)
+    d.observe([4, 5], np.array([[5, 60], [6, 61]]), before=3)  # verified: (3, 4) -> 5, (4, 5) -> 6
+    d.observe([5], np.array([[40, 41]]), before=9)  # the one-token row of 5 says 40; the pair (4, 5) says 6
+    d.begin([3, 4])
+    d.accept([5])
+    assert (d.prev, d.root) == (4, 5)
+    dr = d.draft(1)
+    assert dr.tokens.tolist() == [6] and dr.labels == ("recycling:b",)
+
+
+def test_hybrid_tree_keeps_recycling_alternatives_at_the_root():
+    """The merged tree holds the retrieved chain plus the recycling tree's other branches, including the root's other
+    children (alternatives to the chain's first token): it is more than the lookup chain."""
+    look = LookupDrafter()
+    look.begin([1, 2, 3, 4, 1, 2])  # the chain after "1 2": 3, 4, 1
+    rec = RecyclingDrafter(100, k=2)
+    rec.observe([2], np.array([[3, 8]]))  # root 2's candidates: 3 (on the chain), 8 (an alternative)
+    rec.begin([1, 2])
+    dr = HybridDrafter(look, rec, lookup_len=3).draft(4)
+    root_kids = [int(t) for t, p in zip(dr.tokens, dr.parents) if p == 0]
+    assert sorted(root_kids) == [3, 8]
+
+
+def test_hybrid_tree_nodes_keep_their_recycling_parents():
+    """Every node of the merged tree is a prefix of the retrieved chain or a root-to-node path of the recycling tree
+    (a recycling node below a merged node points at its own parent), and every recycling path within the budget is
+    there."""
+    look = LookupDrafter()
+    look.begin([1, 2, 3, 4, 1, 2])  # chain: 3, 4, 1
+    rec = RecyclingDrafter(100, k=2)
+    rec.observe([2, 8, 3, 5], np.array([[3, 8], [5, 6], [4, 9], [7, 2]]))
+    rec.begin([1, 2])
+    tree = rec.draft(6)
+    chain = look.draft(3)
+    allowed = {tuple(chain.tokens[: i + 1].tolist()) for i in range(len(chain))} | set(draft_paths(tree))
+    merged = draft_paths(HybridDrafter(look, rec, lookup_len=3).draft(6))
+    assert set(merged) <= allowed and len(set(merged)) == len(merged)
+    assert set(draft_paths(tree)) <= set(merged)
+
+
+def test_hybrid_begin_moves_the_recycling_root():
+    """A new request's hybrid drafter drafts recycling nodes after the new context's last token, not after the last
+    request's: begin() begins the recycling half too."""
+    rec = RecyclingDrafter(100, k=2)
+    h = HybridDrafter(LookupDrafter(), rec)
+    h.begin([1, 2])
+    h.accept([5, 6])
+    h.begin([30, 40, 50])
+    assert (rec.prev, rec.root) == (40, 50)
+
+
+def test_hybrid_draft_stays_within_its_budget():
+    """`draft(budget)` promises up to `budget` guesses (the engine sizes it to the memory
+    plan's cap, draft_len and the KV room left), but the merge stops only at len(chain) + budget nodes."""
+    look = LookupDrafter()
+    look.begin([1, 2, 3, 4, 1, 2])
+    rec = RecyclingDrafter(100, k=4)
+    rec.observe([2, 3, 7], np.array([[9, 8, 7, 6], [4, 9, 10, 11], [8, 6, 5, 4]]))
+    rec.begin([1, 2])
+    h = HybridDrafter(look, rec)
+    for budget in (1, 2, 4, 8):
+        assert len(h.draft(budget)) <= budget, budget

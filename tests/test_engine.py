@@ -1,12 +1,11 @@
 """End-to-end runtime tests on a tiny random llama exported by our own exporter (no downloads).
 
 The tiny model's weights are random, so its text is gibberish; what matters is that every drafter reproduces
-plain greedy decoding token for token, that the cache/chat bookkeeping survives interruption, and that bad
-requests fail clearly.
+plain greedy decoding token for token, that the cache/chat bookkeeping survives interruption, that stop strings,
+finish reasons and sampling behave as documented, and that bad requests fail clearly. The adaptive draft length is
+tested in test_engine_adaptive.py.
 """
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import edge
 from conftest import logits_alone_and_together
 from edge import EngineBusy, EngineError, ModelDirError
 from edge.engine import Engine
+from helpers import check_against, exact_first_tokens, speculative_first_tokens
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +23,7 @@ def engine(tiny_dir):
 
 
 PROMPTS = ["the quick brown fox", "def add(a, b):", "Summarize: the council met", "café 😀 日本"]
+PROMPT = PROMPTS[1]
 
 
 @pytest.mark.parametrize("drafter", ["lookup", "model", "recycling", "hybrid"])
@@ -205,47 +206,6 @@ def test_sampling_is_reproducible_for_a_seed(engine):
     assert c.token_ids == engine.generate(PROMPTS[0], max_tokens=8, temperature=1.0, seed=3, drafter="none").token_ids
 
 
-def _exact_first_tokens(engine, prompt, n: int, **sampling) -> dict[tuple[int, ...], float]:
-    """The target's exact distribution over its first n sampled tokens: every prefix prefilled afresh, its last
-    logits through the same temperature/top-k/top-p processing. Leaves the engine reset."""
-    from kernels.sampling import process_logits
-
-    ids = engine.encode(prompt)
-    dist = {(): 1.0}
-    for _ in range(n):
-        nxt = {}
-        for prefix, pr in dist.items():
-            engine.reset()
-            p = process_logits(engine.target.prefill(ids + list(prefix)).astype(np.float64), **sampling)
-            for t in np.flatnonzero(p):
-                nxt[prefix + (int(t),)] = pr * float(p[t])
-        dist = nxt
-    engine.reset()
-    return dist
-
-
-def _speculative_first_tokens(engine, prompt, n_samples: int, drafter: str, seeded: bool = True, **sampling):
-    """Counts of the first three tokens of `n_samples` speculative answers of four tokens (one token from the
-    prefill, then a step that drafts two), and the drafted/accepted totals. Unseeded, a model drafter samples its
-    drafts from q (seeded, it drafts its argmax)."""
-    from collections import Counter
-
-    counts, drafted, accepted = Counter(), 0, 0
-    for i in range(n_samples):
-        r = engine.generate(prompt, max_tokens=4, seed=5000 + i if seeded else None, drafter=drafter, draft_len=2,
-                            **sampling)
-        counts[tuple(r.token_ids[:3])] += 1
-        drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
-    return counts, drafted, accepted
-
-
-def _check_against(dist, counts):
-    from distribution import compare_to_distribution
-
-    keys = sorted(set(dist) | set(counts))  # an outcome the target cannot produce fails the check outright
-    return compare_to_distribution(np.array([counts[k] for k in keys]), np.array([dist.get(k, 0.0) for k in keys]))
-
-
 @pytest.mark.parametrize("drafter,sampling", [
     ("model", dict(temperature=1.5, top_k=4)), ("model", dict(temperature=1.0, top_k=6, top_p=0.7)),
     ("recycling", dict(temperature=1.5, top_k=4))])
@@ -257,14 +217,14 @@ def test_speculative_sampling_draws_the_targets_distribution(engine, drafter, sa
     must be both accepted and rejected, or the test would not exercise the rule. (Every answer here was seeded,
     which since the seeded model drafter drafts its argmax left the q path untested: a q that ignored top-p, or
     was not the distribution drafted from, passed.)"""
-    dist = _exact_first_tokens(engine, PROMPTS[2], 3, **sampling)  # from the full logits (process_logits)
+    dist = exact_first_tokens(engine, PROMPTS[2], 3, **sampling)  # from the full logits (process_logits)
     engine.generate(PROMPTS[2], max_tokens=40, drafter="recycling")  # warms Token Recycling's matrix
     hits = engine.head_hits
-    counts, drafted, accepted = _speculative_first_tokens(engine, PROMPTS[2], 2000, drafter,
+    counts, drafted, accepted = speculative_first_tokens(engine, PROMPTS[2], 2000, drafter,
                                                           seeded=drafter != "model", **sampling)
     assert engine.head_hits > hits  # verification read p from the on-graph head's top 4
     assert 0 < accepted < drafted, (drafted, accepted)
-    check = _check_against(dist, counts)
+    check = check_against(dist, counts)
     assert check.ok, check
 
 
@@ -363,11 +323,11 @@ def test_speculative_sampling_check_catches_a_wrong_rule(engine, monkeypatch):
         return len(tokens), sample_from(P[len(tokens)], rng)
 
     sampling = dict(temperature=1.5, top_k=4)
-    dist = _exact_first_tokens(engine, PROMPTS[2], 3, **sampling)
+    dist = exact_first_tokens(engine, PROMPTS[2], 3, **sampling)
     monkeypatch.setattr(engine_mod, "verify_sampling", accept_all)
-    counts, drafted, accepted = _speculative_first_tokens(engine, PROMPTS[2], 2000, "model", **sampling)
+    counts, drafted, accepted = speculative_first_tokens(engine, PROMPTS[2], 2000, "model", **sampling)
     assert accepted == drafted > 0
-    assert not _check_against(dist, counts).ok
+    assert not check_against(dist, counts).ok
 
 
 def test_memory_plan_drives_the_drafter_and_refuses_too_small_budgets(tiny_dir):
@@ -434,221 +394,6 @@ def test_drafts_accepted_after_an_eos_are_not_counted(tiny_dir, monkeypatch):
     assert [t for c in chunks for t in c.token_ids] == [first, a, eos] and chunks[-1].finish_reason == "stop"
     assert chunks[-1].drafted == 2  # a and the EOS; b was accepted but never emitted
     assert st.accepted == 2 and st.drafted == 3 and st.generated == 3
-
-
-def test_adaptive_length_keeps_probing_a_drafter_it_switched_off(tiny_dir):
-    """A drafter whose acceptance estimate fell so low that the adaptive length stops drafting must still be tried
-    now and then; otherwise the estimate never changes again and the drafter stays off for the engine's life
-    (seen in edge-bench: lookup, switched off on open-ended prompts, never drafted on the summaries after them).
-    The estimate is held at zero and call times are pinned (a wider call never cheaper: on the tiny model the
-    measured widths are ~0.2 ms apart and noise could make drafting look free), so every drafted token must come
-    from a probe, and every probe must reach the statistics."""
-    from memory.acceptance import AcceptanceStats
-
-    from edge.draftlen import PROBE_EVERY, PROBE_K
-
-    class Frozen(AcceptanceStats):
-        def __init__(self):
-            super().__init__(0.0)
-            self.seen = []
-
-        def update(self, drafted, accepted, *a, **kw):
-            self.seen.append((drafted, accepted))
-
-    e = edge.load(tiny_dir, drafter="none", context=256)
-    ref = e.generate(PROMPTS[0], max_tokens=60, drafter="none")
-    e.policy.acceptance["model"] = frozen = Frozen()  # as if every draft so far had been rejected (a chain drafter)
-    e.policy.verify_ms = lambda s: 10.0 + s
-    assert e.policy.choose_k("model", 6) == 0
-    r = e.generate(PROMPTS[0], max_tokens=60, drafter="model")
-    assert r.token_ids == ref.token_ids
-    assert r.stats.drafted > 0
-    probes = [n for n, _ in frozen.seen]
-    assert probes and all(0 < n <= PROBE_K for n in probes), probes  # probes, not full-length drafting
-    assert sum(probes) == r.stats.drafted and len(probes) <= r.stats.steps // PROBE_EVERY + 1, (probes, r.stats)
-    live = AcceptanceStats(0.0)  # what the probes would have taught a live estimate
-    for n, a in frozen.seen:
-        live.update(n, a)
-    assert live.table()[0, 0] > 0 or sum(a for _, a in frozen.seen) == 0  # accepted probes move the estimate
-
-
-def test_unmeasured_call_widths_follow_the_exports_latency_curve(tiny_dir):
-    """Until a width has been timed here, the adaptive length prices it by the export's own measured curve
-    (latency_ms_by_s, relative to one row; never decreasing), scaled to this machine's one-row time; without that
-    curve, by the default shape."""
-    from dataclasses import replace
-
-    from memory.planner import DEFAULT_VERIFY_SHAPE, LatencyCurve
-
-    e = edge.load(tiny_dir, drafter="none", context=256)
-    e.policy.call_ms = {1: 10.0}
-    t = e.manifest.target
-    flat = replace(t, stats={**t.stats, "latency_ms_by_s": [5.0, 5.5, 5.0, 6.0, 6.5, 7.0, 7.5, 8.0]})
-    e.manifest = replace(e.manifest, graphs=(flat,) + tuple(g for g in e.manifest.graphs if g.role != "target"))
-    e.policy.curves.clear()
-    assert e.manifest.target.stats["latency_ms_by_s"][0] == 5.0
-    assert [round(e.policy.verify_ms(s), 6) for s in (1, 2, 3, 8)] == [10.0, 11.0, 11.0, 16.0]
-    e.policy.call_ms[8] = 30.0  # a measured width wins
-    assert e.policy.verify_ms(8) == 30.0
-    e.manifest = replace(e.manifest, graphs=(replace(t, stats={}),) + e.manifest.graphs[1:])
-    e.policy.curves.clear()
-    assert e.policy.verify_ms(16) == pytest.approx(LatencyCurve.scaled(10.0, DEFAULT_VERIFY_SHAPE)(16))
-
-
-def test_first_call_prices_follow_the_exports_timings_at_this_context(tiny_dir):
-    """Before any call is timed at a context, a width is priced as the planner prices it there: the export's
-    engine-way timings at two contexts (latency_ms_by_s_at), interpolated in the context, not its 128-token curve
-    (numpy-fed: its wide calls looked 20% cheaper than the engine's own). A calibration's curves come first."""
-    from dataclasses import replace
-
-    e = edge.load(tiny_dir, drafter="none", context=256)
-    t = e.manifest.target
-    short, long = [10.0 + 2 * s for s in range(8)], [20.0 + 1 * s for s in range(8)]  # ms for S = 1..8
-    timed = replace(t, stats={**t.stats, "latency_ms_s1": 99.0, "latency_ms_by_s": [99.0 + s for s in range(8)],
-                              "latency_ms_by_s_at": [[64, short], [192, long]]})
-    e.manifest = replace(e.manifest, graphs=(timed,) + tuple(g for g in e.manifest.graphs if g.role != "target"))
-
-    def price(length, calls=None):
-        e.target.cache.length = length
-        e.policy.call_ms = dict(calls or {})
-        return [e.policy.verify_ms(s) for s in (1, 4, 8)]
-
-    saved = e.target.cache.length, e.profile
-    try:
-        assert price(40) == pytest.approx([10.0, 16.0, 24.0])  # below the first context: its curve
-        assert price(128) == pytest.approx([15.0, 19.5, 25.5])  # halfway: the mean of the two curves (own bucket)
-        assert price(200) == pytest.approx([15.0, 19.5, 25.5])  # same bucket (128..255): as first priced, at 128
-        assert price(130, {1: 30.0}) == pytest.approx([30.0, 39.0, 51.0])  # scaled to the narrowest call timed
-        e.policy.curves.clear()
-        e.profile = SimpleNamespace(calibration={"latency": {"target": [[1, 5.0], [8, 12.0]], "context": 100}})
-        assert price(128) == pytest.approx([5.0, 8.0, 12.0])  # this device's calibration wins
-    finally:
-        e.target.cache.length, e.profile = saved
-        e.policy.curves.clear()
-
-
-def test_call_times_are_kept_per_context(tiny_dir):
-    """A wide call's time grows with the cache each row reads. Widths timed in a long chat priced the next short
-    one: measured here, after two long-context prompts the 4-10-row calls kept their 150-210 ms while one row cost
-    28 ms at the new short context, and the adaptive length never chose those widths again to re-time them."""
-    e = edge.load(tiny_dir, drafter="none", context=256)
-    long_prompt = " ".join(f"item {i}" for i in range(30))
-    e.generate(long_prompt, raw=True, max_tokens=3)
-    assert e.policy.call_ms and e.policy.verify_ms(9) < 1e6
-    e.policy.call_ms[9] = 1e6  # as if a 9-row call had been this slow at that context
-    e.reset()
-    e.generate("hi", raw=True, max_tokens=3)
-    assert e.policy.verify_ms(9) < 1e6  # priced from what was timed at this context
-    e.generate(long_prompt, raw=True, max_tokens=3)
-    assert e.policy.verify_ms(9) == 1e6  # back at the long context: its own measurement
-    assert 9 in e.policy.call_widths() and len(e.policy.calls_at) >= 2
-
-
-@pytest.fixture(scope="module")
-def chains_engine(tiny_dir):
-    """The tiny (fp32) export driven as if its graph verified chains only, as every int8-activation graph does:
-    recycling and hybrid then take the per-source free-draft path."""
-    e = edge.load(tiny_dir, drafter="none", context=256)
-    e.target.tree_exact = False
-    e.recycling.chains_only = True
-    e.recycling._templates.clear()
-    return e
-
-
-@pytest.mark.parametrize("drafter", ["lookup", "recycling", "hybrid"])
-def test_adaptive_free_drafts_equal_plain(chains_engine, drafter, monkeypatch):
-    """No draft_len: drafts are cut per step by their tokens' acceptance (and hybrid picks between the retrieved
-    span and the recycling chain); the output is still plain greedy's, drafts happen, and they were priced by
-    per-token labels and per-source statistics (the free-draft path ran). Call times are pinned to a flat curve:
-    on the tiny model, noisy measured widths could price every span out (probes count idle steps per source)."""
-    e = chains_engine
-    monkeypatch.setattr(e.policy, "verify_ms", lambda s: 10.0 + 0.5 * s)
-    drafted = 0
-    for p in PROMPTS + ["the quick brown fox the quick brown fox the quick brown"]:
-        ref = e.generate(p, max_tokens=40, drafter="none")
-        got = e.generate(p, max_tokens=40, drafter=drafter)
-        assert got.token_ids == ref.token_ids, (p, drafter)
-        drafted += got.stats.drafted
-    assert drafted > 0
-    sources = {k.split("@")[0] for k in e.policy.token_acceptance.count}  # what found the tokens that were scored
-    recycled, looked_up = {"recycling:b", "recycling:u"}, {f"lookup:{n}" for n in (1, 2, 3, 4, 8, 16, 32)}
-    assert sources & (recycled if drafter == "recycling" else looked_up), e.policy.token_acceptance
-    if drafter == "hybrid":  # both kinds were priced and scored (test_candidates_not_verified_… checks the scoring)
-        assert sources & recycled and sources & looked_up, e.policy.token_acceptance
-
-
-class _Chains:
-    """A drafter offering fixed candidate chains."""
-
-    def __init__(self, *chains):
-        self._chains = chains
-
-    def chains(self, budget):
-        return [c.head(budget) for c in self._chains]
-
-
-def test_free_drafts_are_cut_by_their_tokens_acceptance(tiny_dir):
-    """A span from a reliable source keeps its length, one from an unreliable source is dropped (or cut to a probe),
-    a chain is cut where its tokens turn unreliable, between two candidates the one with the better expected tokens
-    per ms is verified, and verification updates exactly the labels of the tokens it tested."""
-    from edge.drafters import Draft
-    from edge.draftlen import token_labels
-
-    e = edge.load(tiny_dir, drafter="none", context=256)
-    e.policy.call_ms = {s: 10.0 + 0.5 * s for s in range(1, 40)}  # a flat verify curve
-    acc = e.policy.token_acceptance
-    acc.rate.update({"lookup:4@1": 0.95, "lookup:4@2+": 0.95, "lookup:1@1": 0.02, "lookup:1@2+": 0.9,
-                     "recycling:u@1/split": 0.5, "recycling:u@2+/split": 0.5, "lookup:1@1/split": 0.02,
-                     "lookup:4@1/split": 0.95, "lookup:4@2+/split": 0.95,
-                     "recycling:b@1": 0.9, "recycling:b@2+": 0.9, "recycling:u@2+": 0.05})
-    span4 = Draft.chain(range(10, 22), source="lookup:4")
-    span1 = Draft.chain(range(30, 42), source="lookup:1")
-    rec = Draft.chain(range(50, 58), source="recycling", labels=["recycling:u"] * 8)
-    mixed = Draft.chain(range(60, 66), source="recycling", labels=["recycling:b"] * 3 + ["recycling:u"] * 3)
-    assert len(e.policy.draft_free(_Chains(span4), "lookup", 12)) == 12
-    got = [len(e.policy.draft_free(_Chains(span1), "lookup", 12)) for _ in range(16)]
-    assert max(got) <= 2 and 0 < sum(got) <= 4  # no drafts but the occasional 2-token probe
-    assert len(e.policy.draft_free(_Chains(mixed), "recycling", 6)) == 3  # cut where the one-token successors begin
-    pick = e.policy.draft_free(_Chains(span1, rec), "hybrid", 12)
-    assert pick.source == "recycling" and 0 < len(pick) <= 8 and pick.labels[0] == "recycling:u@1/split"
-    best = e.policy.draft_free(_Chains(span4, rec), "hybrid", 12)
-    assert best.source == "lookup:4" and best.labels[:2] == ("lookup:4@1/split", "lookup:4@2+/split")
-    assert token_labels(Draft.chain([1, 2]), "hybrid") == ("hybrid@1", "hybrid@2+")
-    other = Draft.chain([1, 2, 7])
-    assert token_labels(Draft.chain([1, 2, 3, 4]), "hybrid", [other]) == (
-        "hybrid@1/agree", "hybrid@2+/agree", "hybrid@2+/parted", "hybrid@2+/parted")
-    assert token_labels(Draft.chain([5, 2]), "hybrid", [other]) == ("hybrid@1/split", "hybrid@2+/split")
-    before = dict(acc.count)
-    acc.update(best.labels[:3], 1)  # what the engine does after verifying: first accepted, second rejected
-    assert acc.count["lookup:4@1/split"] == before.get("lookup:4@1/split", 0) + 1
-    assert acc.count["lookup:4@2+/split"] == before.get("lookup:4@2+/split", 0) + 1  # once: the third never ran
-
-
-def test_candidates_not_verified_are_scored_against_the_target(tiny_dir):
-    """Hybrid verifies one of its candidate chains; the other is scored against the tokens the target produced
-    (accepted + bonus) as far as they reach, so a kind of token that is never chosen still learns its rate."""
-    from edge.drafters import Draft
-
-    e = edge.load(tiny_dir, drafter="none", context=256)
-    e.policy.call_ms = {s: 10.0 + 0.5 * s for s in range(1, 40)}
-    acc = e.policy.token_acceptance
-    acc.rate.update({"lookup:4@1/split": 0.95, "lookup:4@2+/split": 0.95,
-                     "recycling:u@1/split": 0.1, "recycling:u@2+/split": 0.1})
-    span4 = Draft.chain(range(10, 22), source="lookup:4")
-    rec = Draft.chain(range(50, 58), source="recycling", labels=["recycling:u"] * 8)
-    assert e.policy.draft_free(_Chains(span4, rec), "hybrid", 12).source == "lookup:4"
-    before = dict(acc.count)
-    e.policy.learn_unverified([50, 51, 99])  # synthetic: the target wrote 50, 51, then not 52 — recycling earned two
-    assert acc.count["recycling:u@1/split"] == before.get("recycling:u@1/split", 0) + 1
-    assert acc.count["recycling:u@2+/split"] == before.get("recycling:u@2+/split", 0) + 2
-    assert acc.rate["recycling:u@1/split"] > 0.1 and all(acc.count.get(k) == v for k, v in before.items()
-                                                         if k.startswith("lookup"))
-    assert e.policy._unverified == []  # scored once
-    e.policy.draft_free(_Chains(span4, rec), "hybrid", 12)
-    before = dict(acc.count)
-    e.policy.learn_unverified([50])  # only one token known: it matched, nothing after it was tested
-    assert acc.count["recycling:u@1/split"] == before["recycling:u@1/split"] + 1
-    assert acc.count["recycling:u@2+/split"] == before["recycling:u@2+/split"]
 
 
 def _without_head(model_dir, out_dir):
@@ -740,13 +485,9 @@ def test_sessions_do_not_trace_memory_patterns():
     assert session_options(2).enable_mem_pattern is False
 
 
-# ------------------------------------------------------------------------------ bookkeeping a wrong loop still passes
-# Each of these caught a plausible bug that left every answer correct, so no other test noticed (session 22's
-# mutation audit: an extra call at max_tokens, counters, reuse, reset, the drafters' own state, the cache after a stop).
-
-@pytest.fixture
-def fresh(tiny_dir):
-    return edge.load(tiny_dir, drafter="none", context=256)
+# ------------------------------------------------------------------------------ bookkeeping behind correct answers
+# A loop can get each of these wrong and still answer correctly (an extra call at max_tokens, counters, reuse, reset,
+# the drafters' own state, the cache after a stop), so they are checked directly.
 
 
 def test_an_answer_ending_at_max_tokens_costs_no_extra_call(fresh):
@@ -845,3 +586,106 @@ def test_the_cache_holds_exactly_the_emitted_tokens_after_a_stop(fresh):
         assert r.finish_reason == "stop"
         assert fresh.cached == fresh.encode(prompt) + r.token_ids[:-1]
         assert fresh.target.cache.length == len(fresh.cached)
+
+
+def test_drafter_state_round_trip(model):
+    import numpy as np
+
+    import edge
+
+    e = edge.load(model, drafter="none", context=256)
+    e.generate("the quick brown fox", max_tokens=8, drafter="recycling")
+    state = e.drafter_state()
+    adj = e.recycling.adj.copy()
+    e.generate("one two three four five", max_tokens=8, drafter="recycling")
+    assert not np.array_equal(e.recycling.adj, adj)  # the second answer taught it something
+    e.set_drafter_state(state)
+    assert np.array_equal(e.recycling.adj, adj)
+    e.recycling.adj[:] = 0  # the snapshot is a copy, not the live tables
+    e.set_drafter_state(state)
+    assert np.array_equal(e.recycling.adj, adj)
+
+
+def test_chat_reset_keeps_the_system_message(fresh):
+    chat = fresh.chat(system="Be terse.")
+    chat.ask("hi", max_tokens=3)
+    chat.reset()
+    assert chat.messages == [{"role": "system", "content": "Be terse."}]
+
+
+# ------------------------------------------------------------------------------ stop strings and finish reasons
+
+@pytest.mark.parametrize("drafter", ["none", "lookup"])
+def test_an_eos_that_is_also_the_last_allowed_token_finishes_as_stop(fresh, monkeypatch, drafter):
+    """The answer ended because the model ended it: finish_reason "stop", even when max_tokens ends there too."""
+    refs = {p: fresh.generate(p, max_tokens=30).token_ids for p in (PROMPT, "the quick brown fox", "café 😀 日本")}
+    p, j = next((p, i) for p, ref in refs.items() for i in range(3, len(ref)) if ref[i] not in ref[:i])
+    monkeypatch.setattr(fresh, "eos", {refs[p][j]})
+    r = fresh.generate(p, max_tokens=j + 1, drafter=drafter)
+    assert r.token_ids == refs[p][: j + 1] and r.finish_reason == "stop"
+
+
+def test_a_stop_string_given_as_a_string_is_one_stop_string(fresh):
+    full = fresh.generate(PROMPT, max_tokens=40).text
+    # a stop string some of whose characters occur before it: each of them alone would cut the answer earlier
+    stop = next(s for s in (full[i : i + 3] for i in range(3, len(full) - 3))
+                if min(map(full.index, s)) < full.index(s))
+    r = fresh.generate(PROMPT, max_tokens=40, stop=stop)
+    assert r.text == full[: full.index(stop)] and r.finish_reason == "stop"
+
+
+def test_of_two_stop_strings_completed_by_one_token_the_earlier_one_cuts(fresh):
+    """Two stop strings ending at the same character: the answer ends before the one that starts first."""
+    full = fresh.generate(PROMPT, max_tokens=40).text
+    # both first occur where they end at i + 3 (else one of them alone would stop the answer earlier)
+    i = next(i for i in range(2, len(full) - 3)
+             if full.find(full[i : i + 3]) == i and full.find(full[i + 1 : i + 3]) == i + 1)
+    long, short = full[i : i + 3], full[i + 1 : i + 3]
+    for stop in ([long, short], [short, long]):
+        r = fresh.generate(PROMPT, max_tokens=40, stop=stop)
+        assert r.text == full[:i] and r.finish_reason == "stop", stop
+
+
+def test_stop_none_means_no_stop_strings(fresh):
+    assert fresh.generate(PROMPT, max_tokens=6, stop=None).token_ids == fresh.generate(PROMPT, max_tokens=6).token_ids
+
+
+# ------------------------------------------------------------------------------ sampling details
+
+@pytest.mark.parametrize("top_k", [255, 256])
+def test_a_top_k_cut_at_the_heads_full_k_is_read_from_the_head(fresh, top_k):
+    """top_k up to HEAD_TOPK_MAX (256) is inside the on-graph head's k: read exactly from its probabilities, the
+    logits never fetched."""
+    from edge.runner import HEAD_TOPK_MAX
+
+    assert HEAD_TOPK_MAX == 256 < fresh.target.vocab
+    r = fresh.generate(PROMPT, max_tokens=6, temperature=0.8, top_k=top_k, seed=1, drafter="recycling")
+    assert r.stats.steps > 0 and fresh.head_hits > 0 and fresh.head_misses == 0
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=1e-6), dict(top_k=1)])
+def test_an_unseeded_model_drafter_drafts_from_its_distribution_cut_as_the_request_asks(fresh, monkeypatch, kw):
+    """Sampled drafts come from the drafter's distribution under the request's top-k and top-p, like the target's
+    p: with a cut that keeps one token, every q row is a point mass (a q over the whole vocabulary stays lossless
+    but drafts tokens the target can never accept)."""
+    from edge.drafters import ModelDrafter
+
+    qs, real = [], ModelDrafter.draft
+
+    def draft(self, budget):
+        d = real(self, budget)
+        qs.extend([] if d.q is None else d.q)
+        return d
+    monkeypatch.setattr(ModelDrafter, "draft", draft)
+    fresh.generate(PROMPT, max_tokens=12, temperature=1.0, drafter="model", draft_len=3, **kw)
+    assert qs and all(q.max() == 1.0 for q in qs)
+
+
+def test_unseeded_sampling_differs_between_requests_and_a_seed_repeats(fresh):
+    """seed=None draws fresh randomness for every request, never a fixed seed; the same seed repeats its answer. On
+    the tiny random model the next-token distribution is nearly flat over its vocabulary, so two unseeded 16-token
+    answers coincide with negligible probability."""
+    runs = [fresh.generate(PROMPT, max_tokens=16, temperature=1.0).token_ids for _ in range(3)]
+    assert len({tuple(r) for r in runs}) > 1
+    a, b = (fresh.generate(PROMPT, max_tokens=16, temperature=1.0, seed=7).token_ids for _ in range(2))
+    assert a == b

@@ -17,6 +17,7 @@ from edge.manifest import FORMAT_VERSION, load_manifest
 from export.checkpoint import load_hf_dir
 from export import pipeline
 from export.pipeline import export_model
+from helpers import check_against, exact_first_tokens, speculative_first_tokens
 
 DRAFT_SHAPE = dict(layers=1, hidden=96, heads=3, kv_heads=3, intermediate=96)  # target: 3 layers, 64, 4, 2, 128
 PROMPTS = ["the quick brown fox", "def add(a, b):", "Summarize: the council met"]
@@ -87,14 +88,12 @@ def test_greedy_with_the_checkpoint_drafter_equals_plain(exported, draft_len):
 
 
 def test_sampling_with_the_checkpoint_drafter_draws_the_targets_distribution(exported):
-    from test_engine import _check_against, _exact_first_tokens, _speculative_first_tokens
-
     e = edge.load(exported[0], drafter="none", context=256)
     sampling = dict(temperature=1.5, top_k=4)
-    dist = _exact_first_tokens(e, PROMPTS[2], 3, **sampling)
-    counts, drafted, accepted = _speculative_first_tokens(e, PROMPTS[2], 2000, "model", **sampling)
+    dist = exact_first_tokens(e, PROMPTS[2], 3, **sampling)
+    counts, drafted, accepted = speculative_first_tokens(e, PROMPTS[2], 2000, "model", **sampling)
     assert 0 < accepted < drafted, (drafted, accepted)
-    check = _check_against(dist, counts)
+    check = check_against(dist, counts)
     assert check.ok, check
 
 
@@ -260,3 +259,21 @@ def test_a_failed_drafter_switch_leaves_nothing_half_built(exported, monkeypatch
     e.plan = None
     assert e.generate(PROMPTS[1], max_tokens=16, drafter="model").token_ids == ref
     assert e._drafter_graph == first
+
+
+def test_trimmed_checkpoint_drafter_keeps_only_ids_it_can_embed(tmp_path):
+    """Target with 400 logits (16 padding rows past the 384-token tokenizer), a drafter checkpoint with 384 rows and
+    a trimmed vocabulary larger than that: the id map holds only ids below 384 (every one of them), so the
+    drafter's head is its own whole head and the export does not index past it."""
+    from export.pipeline import export_model
+
+    target, draft = tmp_path / "wide-target", tmp_path / "draft"
+    build_checkpoint(target, "llama", tie=True, layers=1, seed=0, vocab=VOCAB + 16)
+    build_checkpoint(draft, "llama", tie=True, layers=1, seed=11, hidden=64, heads=4, kv_heads=2, intermediate=64)
+    out = tmp_path / "m"
+    m = export_model(target, out, tiny_export_options(drafters=(), parity=False,
+                                                      drafter_checkpoints=((str(draft), VOCAB + 8),)), progress=False)
+    (g,) = m.drafters
+    id_map = np.load(out / g.id_map)
+    np.testing.assert_array_equal(id_map, np.arange(VOCAB))
+    assert g.vocab == VOCAB

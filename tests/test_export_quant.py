@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper, numpy_helper
 
-from conftest import VOCAB
+from conftest import VOCAB, build_checkpoint
 from export import reference
 from export.checkpoint import Checkpoint, load_hf_dir
 from export.evaluate import GraphRunner
 from export.graph import IR_VERSION, GraphOptions, build_graph, save_model
 from export.quant import (block_sum_matrix, dequantize_block_min, dequantize_blockwise, quantize_asymmetric,
-                          quantize_block_min, quantize_blockwise)
+                          quantize_block_min, quantize_blockwise, unpack4)
 
 PROPERTY = settings(max_examples=60, deadline=None, database=None)
 
@@ -572,3 +572,76 @@ def test_export_time_greedy_matches_one_shot_logits(tiny_llama, tmp_path, pad):
     gen = r.greedy(ids, 6)
     for i, tok in enumerate(gen):
         assert int(r.logits(ids + gen[:i])[-1].argmax()) == tok
+
+
+# ----------------------------------------------------------------------------- K not in whole blocks
+
+def deq_asym(w: np.ndarray, bits: int, bs: int) -> np.ndarray:
+    """quantize_asymmetric → de-quantized [N, K] (independent of the graph)."""
+    n, k = w.shape
+    nb = -(-k // bs)
+    b, s, z = quantize_asymmetric(w, bits, bs)
+    q = unpack4(b, bs) if bits == 4 else b
+    zz = unpack4(z.reshape(n, -1), nb) if bits == 4 else z.reshape(n, nb)
+    return ((q.astype(np.float32) - zz[..., None]) * s.reshape(n, nb, 1)).reshape(n, -1)[:, :k]
+
+
+def deq_linear(w: np.ndarray, bits: int, bs: int) -> np.ndarray:
+    """What a default (block_min, asymmetric) quantized linear computes with: 4-bit layers whose K splits into whole
+    blocks keep their float block minimums, every other one integer zero points."""
+    n, k = w.shape
+    if bits == 4 and k % bs == 0:
+        return dequantize_block_min(*quantize_block_min(w, bs)[:3], n, k, bs)
+    return deq_asym(w, bits, bs)
+
+
+def test_block_min_residual_columns_are_whole_blocks_only_as_many_as_needed():
+    """K = 32 blocks of 32: the 32 residuals fill exactly one extra block (not two), and the layer is still exact
+    up to the residual's rounding."""
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((4, 1024)).astype(np.float32)
+    b, s, z, extra = quantize_block_min(w, 32)
+    assert extra == 1 and b.shape == (4, 33, 16) and s.shape == (4 * 33,)
+    back = dequantize_block_min(b, s, z, 4, 1024, 32)
+    step = (w.reshape(4, 32, 32).max(-1) - w.reshape(4, 32, 32).min(-1)) / 15
+    assert np.abs(back - w).max() <= step.max()
+
+
+@pytest.fixture(scope="module")
+def odd_checkpoints(tmp_path_factory):
+    """Two tiny llamas whose layers do not all split into whole 32-blocks: `mixed` (hidden 64, intermediate 80:
+    down_proj's K = 80), `narrow` (hidden 48: every K but down's, and the embedding rows)."""
+    root = tmp_path_factory.mktemp("odd")
+    build_checkpoint(root / "mixed", layers=2, seed=11, hidden=64, heads=4, kv_heads=2, intermediate=80)
+    build_checkpoint(root / "narrow", layers=2, seed=12, hidden=48, heads=3, kv_heads=1, intermediate=64)
+    return {k: load_hf_dir(root / k) for k in ("mixed", "narrow")}
+
+
+def _dequantized(ck: Checkpoint, bits: int, opts: GraphOptions) -> Checkpoint:
+    bs = opts.block_size
+    w = {k: (deq_linear(v, bits, bs) if k.endswith("_proj.weight") else v) for k, v in ck.weights.items()}
+    w["lm_head.weight"] = deq_linear(ck.lm_head, opts.head_bits, bs)
+    emb_bits = opts.embedding_bits(ck.config.hidden)
+    if emb_bits:
+        w["model.embed_tokens.weight"] = deq_asym(ck.weights["model.embed_tokens.weight"], emb_bits, bs)
+    return Checkpoint(ck.config, w, ck.source, ck.source_format)
+
+
+@pytest.mark.parametrize("kind,precision", [("mixed", "int4"), ("narrow", "int4"), ("narrow", "int8")])
+def test_graph_with_partial_blocks_equals_dequantized_reference(odd_checkpoints, tmp_path, kind, precision):
+    """int4/int8 graphs (fp32 activations) of models whose K is not always a multiple of the block: each layer is
+    exactly its de-quantized image (block minimums where K splits into whole blocks, integer zero points elsewhere;
+    a float embedding where the rows do not split), and the manifest's `block_min` flag says whether the graph has
+    block-minimum layers at all."""
+    ck = odd_checkpoints[kind]
+    c = ck.config
+    opts = GraphOptions(precision=precision, max_len=64, accuracy_level=0)
+    model = build_graph(ck, opts)
+    has_sums = any(n.name.endswith("/block_sums") for n in model.graph.node)
+    assert opts.uses_block_min(c.hidden, c.heads * c.head_dim, c.intermediate) == has_sums
+    p = tmp_path / "model.onnx"
+    save_model(model, str(p))
+    r = runner(p, ck)
+    qck = _dequantized(ck, opts.bits, opts)
+    for ids in (np.arange(5, 40), np.random.default_rng(1).integers(0, VOCAB, 23)):
+        np.testing.assert_allclose(r.logits(ids), reference.forward(qck, ids), atol=1e-4, rtol=0)

@@ -126,3 +126,49 @@ def test_packed_maxima_equal_one_forward_per_sequence(tiny_llama):
         assert packed.keys() == one.keys()
         for k in one:
             np.testing.assert_allclose(packed[k], one[k], rtol=1e-5, atol=1e-6)
+
+
+def _abs_maxima(ck: Checkpoint, seqs) -> dict[str, np.ndarray]:
+    """max |x_k| of every linear input, one reference forward per sequence (independent of smooth.py)."""
+    out: dict[str, np.ndarray] = {}
+
+    def look(name, x):
+        m = np.abs(x).max(0)
+        out[name] = m if name not in out else np.maximum(out[name], m)
+
+    for ids in seqs:
+        reference.forward(ck, ids, return_hidden=True, observe=look)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_smoothing_balances_activation_and_weight_ranges(checkpoint_dirs, family):
+    """SmoothQuant with α = 0.5 (no clipping on this checkpoint): each linear input channel k is divided by
+    s_k = sqrt(max|x_k| / max|W_:,k|) (maxima over the calibration text and over the source weights that read k), so
+    afterwards max|x_k| = sqrt(max|x_k| · max|W_:,k|). For o_proj, per v channel: the heads that share a v channel
+    share its s. Activation maxima measured here with one reference forward per sequence, independently of
+    smooth.py."""
+    ck = load_hf_dir(checkpoint_dirs[family])
+    c = ck.config
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(0, VOCAB, int(rng.integers(20, 40))) for _ in range(4)]
+    sm = smooth.smooth(ck, smooth.activation_maxima(ck, seqs))
+    before, after = _abs_maxima(ck, seqs), _abs_maxima(sm, seqs)
+    w = ck.weights  # the source's weights: each group's s is computed from them
+    group = c.heads // c.kv_heads
+    by_v = lambda x: x.reshape(c.kv_heads, group, c.head_dim).max(1).reshape(-1)  # noqa: E731
+    colmax = lambda *ns: np.max([np.abs(w[n]).max(0) for n in ns], 0)  # noqa: E731
+    assert smooth.ALPHA == 0.5
+    for i in range(c.layers):
+        p = f"model.layers.{i}."
+        pairs = {
+            "qkv": (before[f"{i}.qkv"], after[f"{i}.qkv"], colmax(*(p + f"self_attn.{n}_proj.weight" for n in "qkv"))),
+            "o": (by_v(before[f"{i}.o"]), by_v(after[f"{i}.o"]), by_v(colmax(p + "self_attn.o_proj.weight"))),
+            "gate_up": (before[f"{i}.gate_up"], after[f"{i}.gate_up"],
+                        colmax(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")),
+            "down": (before[f"{i}.down"], after[f"{i}.down"], colmax(p + "mlp.down_proj.weight")),
+        }
+        for name, (a0, a1, wm) in pairs.items():
+            s = np.sqrt(a0 / wm)
+            assert s.min() > smooth.S_MIN and s.max() < smooth.S_MAX  # no clipping here
+            np.testing.assert_allclose(a1, np.sqrt(a0 * wm), rtol=2e-3, err_msg=f"layer {i} {name}")

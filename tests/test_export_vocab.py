@@ -1,4 +1,6 @@
-"""Trimmed-vocabulary early-exit drafters: the id map, the drafter graph's logits, and `rank_vocabulary`.
+"""Trimmed-vocabulary early-exit drafters: the id map, the drafter graph's logits, and `rank_vocabulary`; the id map and
+the drafter's statistics recomputed from the exported target graph and the calibration text (also for a context
+shorter than the chat prompts).
 
 The drafter's logits must be exactly the reference early exit (first N layers + the self-distilled adapter, if the
 export fitted one + final norm + LM head) restricted to the id map's rows; the id map must be a sorted set of valid
@@ -10,11 +12,12 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import BOS, EOS, MAX_LEN, TINY_EXPORT_DRAFTER, VOCAB
+from conftest import BOS, EOS, MAX_LEN, TINY_EXPORT_DRAFTER, VOCAB, tiny_export_options
 from edge.runner import GraphSession
 from export import reference
 from export.distill import read_adapter
 from export.evaluate import GraphRunner, rank_vocabulary
+from export.graph import GraphOptions, build_graph, save_model
 
 TOL = 1e-4
 LAYERS, K = TINY_EXPORT_DRAFTER
@@ -127,3 +130,96 @@ def test_rank_vocabulary_is_a_permutation_randomized():
                              minlength=vocab)
         rest = [t for t in got.tolist() if t not in always]
         assert all(counts[a] > counts[b] or (counts[a] == counts[b] and a < b) for a, b in zip(rest, rest[1:]))
+
+
+# ----------------------------------------------------------------------------- recomputed from the exported graphs
+
+def _recompute(d, m, ck, n_new: int) -> dict:
+    """An export's calibration/held-out text and target predictions, recomputed from its exported target graph
+    (fp32, deterministic) the way the manifest documents them: each chat prompt's last max_len - n_new tokens,
+    the target's greedy continuation of n_new tokens, the ranking from the calibration prompts only."""
+    from edge.text import TextCodec
+    from export import calibration
+    from export.evaluate import rank_vocabulary
+
+    c = ck.config
+    t = m.target
+    codec = TextCodec(d / m.tokenizer, m.chat_template, m.special_tokens["bos"], tuple(m.special_tokens["eos"]))
+    room = t.max_len - n_new
+    prompts = [codec.encode_chat([{"role": "user", "content": p}])[-room:] for p in calibration.PROMPTS]
+    calib, held = prompts[: -calibration.HELD_OUT], prompts[-calibration.HELD_OUT:]
+    r = GraphRunner(str(d / t.file), c.layers, c.kv_heads, c.head_dim)
+    eos = tuple(m.special_tokens["eos"])
+    calib_tokens = [list(r.logits(ids).argmax(-1)) + r.greedy(ids, n_new, eos) for ids in calib]
+    always = tuple(eos) + (m.special_tokens["bos"],)
+    ranked = rank_vocabulary(calib_tokens, c.vocab, always=always)
+    texts, tgts, scored = [], [], []
+    for ids in held:
+        gen = r.greedy(ids, n_new, eos)
+        text = list(ids) + gen
+        s = np.zeros(len(text), bool)
+        s[len(ids) - 1 : len(text) - 1] = True  # the positions whose next token the target generated
+        texts.append(text)
+        tgts.append(r.logits(text).argmax(-1))
+        scored.append(s)
+    return dict(ranked=ranked, texts=texts, tgts=tgts, scored=scored, room=room, prompts=prompts)
+
+
+@pytest.fixture(scope="module")
+def recomputed(exported_llama, tiny_llama):
+    d, m = exported_llama
+    return _recompute(d, m, tiny_llama, tiny_export_options().calib_new_tokens)
+
+
+def test_drafter_id_map_is_the_targets_most_frequent_calibration_tokens(exported_llama, recomputed):
+    """The trimmed vocabulary is the k ids the target produced most on the calibration prompts (not the held-out
+    ones agreement is scored on), EOS/BOS always kept, sorted."""
+    d, m = exported_llama
+    (g,) = m.drafters
+    want = np.sort(recomputed["ranked"][: g.vocab])
+    np.testing.assert_array_equal(np.load(d / g.id_map), want)
+
+
+def test_drafter_stats_are_what_its_graph_scores_on_the_held_out_text(exported_llama, tiny_llama, recomputed,
+                                                                        tmp_path):
+    """top1_agreement (the shipped graph, adapter included), top1_agreement_raw (the plain early exit),
+    vocab_coverage and held_out_positions: recomputed over the positions the target generated."""
+    d, m = exported_llama
+    (g,) = m.drafters
+    c = tiny_llama.config
+    id_map = np.load(d / g.id_map)
+    texts, tgts, scored = recomputed["texts"], recomputed["tgts"], recomputed["scored"]
+
+    def agreement(path):
+        dr = GraphRunner(str(path), g.layers, c.kv_heads, c.head_dim)
+        hits = np.concatenate([(id_map[dr.logits(t).argmax(-1)] == tgt)[s] for t, tgt, s in zip(texts, tgts, scored)])
+        return round(float(hits.mean()), 4)
+
+    raw_path = tmp_path / "model.onnx"
+    save_model(build_graph(tiny_llama, GraphOptions(precision="fp32", layers=g.layers, max_len=g.max_len), id_map),
+               str(raw_path))
+    s = g.stats
+    covered = np.concatenate([np.isin(tgt[sc], id_map) for tgt, sc in zip(tgts, scored)])
+    assert s["held_out_positions"] == int(covered.size)
+    assert s["vocab_coverage"] == round(float(covered.mean()), 4)
+    assert s["top1_agreement"] == agreement(d / g.file)
+    assert s["top1_agreement_raw"] == agreement(raw_path)
+
+
+def test_short_context_export_calibrates_on_each_prompts_end(tmp_path, tiny_llama_dir, tiny_llama):
+    """--max-len below the chat prompts' length: each calibration prompt keeps its last max_len - new tokens (the
+    generation prompt included, so the target writes a reply), and the id map is ranked from exactly that text."""
+    from export.pipeline import export_model
+
+    n_new = 8
+    out = tmp_path / "short"
+    m = export_model(tiny_llama_dir, out, tiny_export_options(max_len=40, drafters=((1, 64),), distill=False,
+                                                              parity=False, calib_new_tokens=n_new), progress=False)
+    rc = _recompute(out, m, tiny_llama, n_new)
+    from export import calibration
+    from edge.text import TextCodec
+    codec = TextCodec(out / m.tokenizer, m.chat_template, m.special_tokens["bos"], tuple(m.special_tokens["eos"]))
+    full = [codec.encode_chat([{"role": "user", "content": p}]) for p in calibration.PROMPTS]
+    assert sum(len(f) > rc["room"] for f in full) >= len(full) // 2  # the case is exercised
+    (g,) = m.drafters
+    np.testing.assert_array_equal(np.load(out / g.id_map), np.sort(rc["ranked"][: g.vocab]))

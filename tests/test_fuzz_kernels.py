@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kernels.sampling import make_sampler, process_logits, sample_from
 from kernels.tree import TreeLayout, kv_gather_indices, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import verify_greedy, verify_sampling
-from test_kernels_sampling import slow_process
+from toy_lm import slow_process
 
 N = 200  # examples per property (7 properties: 1,400 examples, ~20 s)
 FUZZ = settings(max_examples=N, deadline=None, database=None)

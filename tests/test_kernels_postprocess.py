@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels.postprocess import head_feeds, sampling_head_model, sampling_head_reference
+from kernels.postprocess import HEAD_INPUTS, head_feeds, sampling_head_model, sampling_head_reference
 from kernels.sampling import probs_from_top, process_logits
 
 V = 3000
@@ -99,7 +99,7 @@ def test_probs_from_top_declines_what_the_head_cannot_hold():
                                                (3, 0.5, [1, 0, 0, 0]), (0, 0.875, [4 / 7, 2 / 7, 1 / 7, 0])])
 def test_a_nucleus_that_closes_exactly_on_a_cumulative_mass_keeps_no_token_more(top_k, top_p, want):
     """Probabilities that are binary fractions sum exactly: at top-p 0.5 over [.5, .25, .125, .125] the nucleus is
-    the first token alone, as process_logits cuts it (a `<=` in the cut kept [2/3, 1/3] and passed every test)."""
+    the first token alone, as process_logits cuts it (a `<=` in the cut would keep [2/3, 1/3])."""
     p = np.array([[0.5, 0.25, 0.125, 0.125]])
     ids = np.arange(4)[None, :]
     got, exact = probs_from_top(ids, p, 4, top_k, top_p)
@@ -123,3 +123,26 @@ def test_probs_from_top_catches_a_wrong_cut():
         np.put_along_axis(wrong[r], ids[r, : n[r] + 1], keep / keep.sum(), -1)
     assert not np.array_equal(wrong > 0, want > 0)
     np.testing.assert_array_equal(got > 0, want > 0)
+
+
+def test_head_feeds():
+    greedy = head_feeds(8)
+    assert set(greedy) == set(HEAD_INPUTS)
+    assert greedy["top_k"].dtype == np.int64 and greedy["top_k"].tolist() == [8]
+    assert greedy["temperature"].dtype == np.float32 and greedy["temperature"].tolist() == [1.0]
+    assert greedy["sample"].shape == () and not greedy["sample"]
+    sampling = head_feeds(40, 0.5)
+    assert sampling["top_k"].tolist() == [40] and sampling["temperature"].tolist() == [0.5] and sampling["sample"]
+
+
+def test_reference_head_by_hand():
+    """Best first, ties toward the lower id; a greedy call's probabilities are a copy of its logits, a sampling
+    call's are softmax(logits / T) over the whole row."""
+    x = np.array([[1.0, 3.0, 3.0, 0.0]])
+    top, ids, probs = sampling_head_reference(x, 3, None)
+    np.testing.assert_array_equal(ids, [[1, 2, 0]])
+    np.testing.assert_array_equal(top, [[3.0, 3.0, 1.0]])
+    np.testing.assert_array_equal(probs, top)
+    _, _, probs = sampling_head_reference(x, 2, 0.5)
+    z = np.exp(np.array([2.0, 6.0, 6.0, 0.0]))
+    np.testing.assert_allclose(probs, [[z[1] / z.sum(), z[2] / z.sum()]], rtol=1e-6)

@@ -2,52 +2,16 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kernels.sampling import make_sampler, process_logits, sample_from
+from kernels.sampling import make_sampler, probs_from_top, process_logits, sample_from
 from distribution import chi2_quantile, compare_to_distribution
+from toy_lm import FixedU, slow_process
 
 PROPERTY = settings(max_examples=200, deadline=None, database=None)
-
-
-class FixedU:
-    """Stand-in rng whose ``random()`` returns preset values, to pin inverse-CDF cases."""
-
-    def __init__(self, *values: float) -> None:
-        self.values = list(values)
-
-    def random(self) -> float:
-        return self.values.pop(0)
-
-
-def slow_process(logits, temperature=1.0, top_k=0, top_p=1.0) -> list[float]:
-    """Reference for one row, in plain Python floats: sort-based top-k and top-p."""
-    v = len(logits)
-    x = [float(l) / temperature for l in logits]
-    # ranked on the logits themselves (dividing by T > 0 keeps their order; in floats it can underflow two distinct
-    # logits, 0 and 5e-324 at T = 3, into a tie); ties: lower id first
-    by_rank = sorted(range(v), key=lambda i: (-float(logits[i]), i))
-    kept = by_rank[:top_k] if 0 < top_k < v else by_rank
-    m = max(x[i] for i in kept)
-    w = {i: math.exp(x[i] - m) for i in kept}
-    z = sum(w.values())
-    probs = {i: w[i] / z for i in kept}
-    if top_p < 1.0:
-        order = sorted(kept, key=lambda i: (-probs[i], i))
-        nucleus, mass = [], 0.0
-        for i in order:
-            nucleus.append(i)
-            mass += probs[i]
-            if mass >= top_p:
-                break
-        z = sum(probs[i] for i in nucleus)
-        probs = {i: probs[i] / z for i in nucleus}
-    return [probs.get(i, 0.0) for i in range(v)]
 
 
 # ---------------------------------------------------------------- exact, table-driven cases
@@ -119,7 +83,7 @@ def test_process_logits_float64_stays_float64_and_input_untouched():
 
 def test_a_nucleus_wider_than_the_first_candidate_tier_is_not_cut_there():
     """The top 512 tokens hold most of the mass but less than top-p: the cut must go on to the wider tiers (a loop
-    that stopped at half the target cut a 0.9 nucleus of ~7,600 tokens to 512, and passed every test)."""
+    that stopped at half the target would cut a 0.9 nucleus of ~7,600 tokens to 512)."""
     rng = np.random.default_rng(3)
     logits = np.concatenate([rng.normal(2.2, 0.1, 512), rng.normal(-3.0, 1.0, 20_000)])
     got = process_logits(logits, top_p=0.9)
@@ -383,3 +347,49 @@ def test_top_k_ids_best_first_with_ties_toward_the_lower_id():
         want = [sorted(range(50), key=lambda j: (-x[r, j], j))[:k] for r in range(40)]
         np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(top_k_ids(x, 8)[:, 0], x.argmax(-1))
+
+
+# ------------------------------------------------------------------ edge cases
+
+
+def test_top_p_just_below_one_keeps_every_token_when_rounding_leaves_the_nucleus_short():
+    """float64 logits: the sorted cumulative mass can end an ulp below top_p * (pairwise) sum; the cut then keeps
+    every token instead of indexing past the row."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(rng.integers(3, 40))
+    top_p = 1 - 2**-53  # the largest float below 1
+    e = np.exp(x - x.max())
+    want = e / e.sum()
+    assert np.cumsum(-np.sort(-want))[-1] < top_p * want.sum()  # the case: rounding leaves the nucleus short
+    got = process_logits(x, 1.0, 0, top_p)
+    assert got.dtype == np.float64 and np.count_nonzero(got) == x.size
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_top_k_as_wide_as_the_vocabulary_is_no_top_k_for_probs_from_top():
+    """process_logits keeps min(top_k, V) tokens, so top_k >= V disables top-k: a nucleus that closes inside the
+    head's K is then read from it (exact), as with top_k = 0."""
+    p = np.array([[0.5, 0.25]])  # the head's 2 best of 4 tokens (the other two hold 0.25)
+    ids = np.array([[2, 0]])
+    for top_k in (0, 4, 9):
+        got, exact = probs_from_top(ids, p, 4, top_k, 0.5)
+        assert exact.tolist() == [True], top_k
+        np.testing.assert_array_equal(got[0], [0, 0, 1, 0])
+    logits = np.log(np.array([0.25, 0.125, 0.5, 0.125]))
+    np.testing.assert_array_equal(process_logits(logits, 1.0, 4, 0.5), [0, 0, 1, 0])
+
+
+def test_batched_sampler_uses_one_draw_per_row_in_row_order():
+    sample = make_sampler(1.0)
+    logits = np.zeros((3, 2))  # every row uniform over two tokens: u < 0.5 -> 0, u >= 0.5 -> 1
+    np.testing.assert_array_equal(sample(logits, FixedU(0.1, 0.9, 0.9)), [0, 1, 1])
+    np.testing.assert_array_equal(sample(logits, FixedU(0.9, 0.1, 0.1)), [1, 0, 0])
+
+
+@pytest.mark.parametrize("top_k", [float("inf"), float("nan"), np.float64("inf"), "3"])
+def test_a_non_finite_or_non_numeric_top_k_is_named(top_k):
+    """Like temperature and top_p: int(inf) raised OverflowError, int(nan) a ValueError that named nothing."""
+    with pytest.raises(ValueError, match="top_k"):
+        make_sampler(1.0, top_k)
+    with pytest.raises(ValueError, match="top_k"):
+        process_logits(np.zeros(4), 1.0, top_k)

@@ -546,3 +546,42 @@ def test_chain_tree_equals_chain_verification(k, vocab, with_q, seed):
         )
         assert (len(accepted) - 1, nxt) == chain
         assert accepted == list(range(len(accepted)))
+
+
+# ------------------------------------------------------------------ siblings
+
+
+def _rows(*rows):
+    return np.array(rows, dtype=float)
+
+
+def test_rejected_siblings_leave_the_callers_q_untouched():
+    """Without replacement a rejected sibling's token is zeroed in q_cur, a copy: q[n] itself is the caller's."""
+    p = _rows([0.0, 0.2, 0.2, 0.6], [0.25] * 4, [0.25] * 4)
+    q = _rows([0.0, 0.5, 0.5, 0.0], [0.25] * 4, [0.25] * 4)
+    q_before = q.copy()
+    # child 1 (token 1): p/q = 0.4, u = 0.9 rejects; p_cur = normalize(max(0, p - q)) = onehot(3);
+    # q_cur = onehot(2): child 2 has p_cur[2] = 0, rejected; recovered token from onehot(3)
+    got = verify_sampling_tree(np.array([9, 1, 2]), np.array([-1, 0, 0]), p, q, FixedU(0.9, 0.0, 0.5))
+    assert got == ([0], 3)
+    np.testing.assert_array_equal(q, q_before)
+
+
+def test_a_sibling_the_target_cannot_emit_is_rejected_even_at_u_zero():
+    """u * q[x] < p[x] with p[x] = 0 never holds: u = 0 must not accept it (the chain's rule, per sibling)."""
+    p = _rows([0.5, 0.0, 0.0, 0.5], [0.25] * 4, [0.25] * 4)
+    q = _rows([0.0, 0.5, 0.5, 0.0], [0.25] * 4, [0.25] * 4)
+    for replacement in (False, True):
+        # both children rejected at u = 0; p_cur = normalize(max(0, p - q)) = p; the last draw 0.6 picks token 3
+        got = verify_sampling_tree(np.array([9, 1, 2]), np.array([-1, 0, 0]), p, q, FixedU(0.0, 0.0, 0.6),
+                                   replacement)
+        assert got == ([0], 3)
+
+
+def test_duplicate_siblings_resolve_to_the_first_in_index_order():
+    """Nodes 1 and 2 both carry token 1: greedy and lookup walks take node 1 (the docstrings' "first child")."""
+    tokens, parents = np.array([9, 1, 1, 3, 4]), np.array([-1, 0, 0, 1, 2])
+    assert verify_greedy_tree(tokens, parents, np.array([1, 3, 4, 7, 8])) == ([0, 1, 3], 7)
+    p = _rows([0, 1, 0, 0, 0, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0, 0, 0, 0], [0, 0, 0, 0, 1, 0, 0, 0, 0],
+              [0, 0, 0, 0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 0, 0, 0, 0, 1])
+    assert verify_sampling_tree(tokens, parents, p, None, FixedU(0.5, 0.5, 0.5)) == ([0, 1, 3], 7)

@@ -324,3 +324,37 @@ def test_verify_greedy_matches_slow_loop(k, data):
     while n < k and draft[n] == target[n]:
         n += 1
     assert verify_greedy(np.array(draft, dtype=np.int64), np.array(target)) == (n, target[n])
+
+
+# ------------------------------------------------------------------ shapes and edge cases
+
+
+def test_verify_greedy_refuses_2d_ids_and_an_argmax_of_the_wrong_length():
+    with pytest.raises(AssertionError):
+        verify_greedy(np.array([[5], [6]]), np.array([5, 6, 7]))  # a column of drafts is not a chain
+    with pytest.raises(AssertionError):
+        verify_greedy(np.array([5, 6]), np.array([[5], [6], [7]]))
+    with pytest.raises(AssertionError):
+        verify_greedy([5, 6], [5, 6, 7, 8])  # exactly K + 1 rows, not more
+
+
+@pytest.mark.parametrize("q_shape", [(3, 4), (2, 5), (2, 3)])
+def test_verify_sampling_refuses_a_q_of_the_wrong_shape(q_shape):
+    p = np.full((3, 4), 0.25)
+    with pytest.raises(AssertionError):
+        verify_sampling(np.array([0, 1]), p, np.full(q_shape, 1 / q_shape[1]), FixedU(0.0, 0.0, 0.0))
+
+
+def test_scatter_trimmed_keeps_the_dtype():
+    q_trim = np.array([1 / 3, 2 / 3])  # float64: a float32 q would move p/q ratios by ~1e-8
+    q = scatter_trimmed(q_trim, np.array([2, 0]), 3)
+    assert q.dtype == np.float64
+    np.testing.assert_array_equal(q, [2 / 3, 0.0, 1 / 3])
+    assert scatter_trimmed(q_trim.astype(np.float32), np.array([2, 0]), 3).dtype == np.float32
+
+
+def test_recovered_distribution_keeps_a_tiny_residual():
+    """Only an all-zero residual falls back to p: a small but positive one is normalized like any other."""
+    p = np.array([0.50005, 0.49995, 0.0])
+    q = np.array([0.5, 0.5, 0.0])
+    np.testing.assert_allclose(recovered_distribution(p, q), [1.0, 0.0, 0.0])

@@ -19,13 +19,6 @@ from edge.manifest import MANIFEST_NAME, MAX_DEPTH, MAX_MANIFEST_BYTES, load_man
 DELETE = object()
 
 
-@pytest.fixture
-def model_copy(exported_llama, tmp_path):
-    out = tmp_path / "model"
-    shutil.copytree(exported_llama[0], out)
-    return out
-
-
 def read(d) -> dict:
     return json.loads((d / MANIFEST_NAME).read_text())
 

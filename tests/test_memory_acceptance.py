@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import chain_acc
 from kernels.tree import TreeLayout
 from memory import AcceptanceStats, TreeShape
 
@@ -164,3 +165,82 @@ def test_token_acceptance_label_priors_and_lifetime_summary():
         t.update(["x@1"], accepted)
     s = t.summary()["x@1"]
     assert s["n"] == 4 and s["lifetime"] == 0.75 and s["rate"] == 0.5  # the last miss weighs half the EMA
+
+
+def test_draft_rate_counts_steps_that_drafted_not_steps_that_hit():
+    s = AcceptanceStats(0.5, draft_rate=0.5, prior_weight=4.0)
+    s.update(3, 0)  # drafted, all rejected: the drafter did propose
+    assert s.draft_rate == pytest.approx(0.5 + 0.25 * 0.5)
+    t = AcceptanceStats(0.5, draft_rate=0.5, prior_weight=4.0)
+    t.update_tree([0], [])  # nothing offered at depth 1: no draft this step
+    assert t.draft_rate == pytest.approx(0.5 - 0.25 * 0.5)
+
+
+def test_tree_update_stops_at_the_rejected_depth():
+    s = AcceptanceStats(0.4, rank_decay=0.5, prior_weight=4.0)
+    s.update_tree(offered=[2, 2, 2], accepted_ranks=[])  # depth 1 missed: depths 2, 3 never tested
+    assert s.rate[0, :2] == pytest.approx([0.4 - 0.1, 0.2 - 0.05])
+    assert s.rate[1, :2].tolist() == [0.4, 0.2] and s.rate[2, :2].tolist() == [0.4, 0.2]
+
+
+def test_depths_past_the_table_reuse_its_last_row():
+    s = AcceptanceStats([0.9, 0.6], max_depth=2)
+    s.update(5, 5)  # depths 3..5 are past the table: ignored, not an IndexError
+    assert s.rate[0, 0] == pytest.approx(0.9 + 0.25 * 0.1) and s.rate[1, 0] == pytest.approx(0.6 + 0.25 * 0.4)
+    assert s.accept_prob(7) == s.accept_prob(2) == pytest.approx(0.7)
+    assert s.expected_accepted(4) == pytest.approx(chain_acc([0.925, 0.7, 0.7, 0.7], 4))
+    assert s.expected_accepted(TreeShape("t", (0,), (s.max_rank,))) == 0.0  # ranks past the table: never
+
+
+def test_best_first_uses_the_deepest_depth_and_never_zero_probability_nodes():
+    s = AcceptanceStats(0.9, rank_decay=0.01, max_depth=3)
+    t = s.best_first(4)  # 0.9, 0.81, 0.729 along the chain beat 0.009 for a second candidate
+    assert t.depths == (1, 2, 3, 1)
+    z = AcceptanceStats([0.5, 0.0], rank_decay=0.5)  # depth 2 never accepted: 4 candidates at depth 1 only
+    assert z.best_first(10).depths == (1, 1, 1, 1)
+    assert AcceptanceStats(0.0).best_first(3).name == "none"
+
+
+def test_prefix_of_nothing_is_no_tree():
+    t = AcceptanceStats(0.6).best_first(3)
+    assert t.prefix(0).name == "none" and t.prefix(2).name == t.name
+    assert TreeShape.chain(4).prefix(0) == TreeShape.chain(0)
+
+
+@pytest.mark.parametrize("bad", [
+    {"rate": [[0.5, 1.5]]},
+    {"rate": [[0.5, 0.2]], "count": [[1.0]]},
+])
+def test_acceptance_entries_are_checked(bad):
+    with pytest.raises(ValueError, match="acceptance"):
+        AcceptanceStats.from_dict(bad)
+
+
+def test_priors_must_be_probabilities():
+    with pytest.raises(ValueError, match="priors must be in"):
+        AcceptanceStats([0.5, 1.2])
+
+
+def test_a_nan_prior_is_refused():
+    with pytest.raises(ValueError, match="priors must be in"):
+        AcceptanceStats([0.5, float("nan")])
+
+
+def test_a_refused_tree_update_changes_nothing():
+    s = AcceptanceStats(0.5)
+    before = (s.rate.copy(), s.count.copy(), s.draft_rate, s.draft_count)
+    with pytest.raises(ValueError, match="not among"):
+        s.update_tree([2, 2], [0, 5])
+    assert np.array_equal(s.rate, before[0]) and np.array_equal(s.count, before[1])
+    assert (s.draft_rate, s.draft_count) == before[2:]
+
+
+def test_round_trip_keeps_the_draft_count():
+    s = AcceptanceStats(0.5, draft_rate=0.5)
+    for drafted in (1, 0, 1, 1):
+        s.update(drafted, 0)
+    t = AcceptanceStats.from_dict(s.to_dict())
+    assert t.draft_count == 4.0
+    s.update(0, 0)
+    t.update(0, 0)  # the next step weighs 1/(4 + 4), not 1/4 as for a fresh prior
+    assert t.draft_rate == pytest.approx(s.draft_rate)

@@ -1,9 +1,10 @@
 """memory.footprint: byte counts checked by hand arithmetic on the embedded SmolLM2-135M export (30 layers, 3 KV
 heads, head dim 64, hidden 576, intermediate 1536, vocab 49152; int4 body in blocks of 32 with zero points, 8-bit
-head, fp32 embedding, rotary tables for 8192 positions), plus monotonicity properties.
+head, fp32 embedding, rotary tables for 8192 positions), plus monotonicity properties and more byte counts by hand
+(zero points, ragged K, biases, quantized embeddings and their resident windows, arenas, drafter calls).
 
-The manifest below is the real one's numbers (edge_model.json of the embedded default), so these tests need no
-export on disk.
+The manifest (SMOLLM2, tests/helpers.py) holds the real one's numbers (edge_model.json of the embedded default), so
+these tests need no export on disk.
 """
 from __future__ import annotations
 
@@ -19,42 +20,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edge.manifest import Manifest
+from helpers import SMOLLM2, smollm2_manifest
 from memory import (MB, Calibration, LinearBytes, Speculation, graph_weight_bytes, kv_bytes_per_token, kv_capacity,
                     linear_bytes, predict_peak, predict_weight_bytes, resident_weight_bytes)
-from memory.footprint import DEFAULT_CALIBRATIONS, LOOKUP_BYTES_PER_TOKEN
+from memory.footprint import (DEFAULT_CALIBRATIONS, LOOKUP_BYTES_PER_TOKEN, WeightBytes, block_min_extra, drafter_graph,
+                              embedding_resident_bytes)
 
 PROPERTY = settings(max_examples=150, deadline=None, database=None)
 
-SMOLLM2 = {
-    "format_version": 1, "name": "SmolLM2-135M-Instruct",
-    "arch": {"family": "llama", "hidden": 576, "layers": 30, "heads": 9, "kv_heads": 3, "head_dim": 64,
-             "intermediate": 1536, "vocab": 49152, "rope_theta": 100000.0, "max_positions": 8192,
-             "tie_embeddings": True, "qkv_bias": False},
-    "graphs": [
-        {"role": "target", "name": "target", "file": "target/model.onnx", "layers": 30, "vocab": 49152,
-         "precision": "int4", "block_size": 32, "accuracy_level": 4, "lm_head_bits": 8, "max_len": 8192,
-         "kv_dtype": "float32", "weight_bytes": 216340933, "stats": {"latency_ms_s1": 29.458}},
-        {"role": "drafter", "name": "drafter-l2-v8192", "file": "drafter-l2-v8192/model.onnx", "layers": 2,
-         "vocab": 8192, "precision": "int4", "block_size": 32, "accuracy_level": 4, "lm_head_bits": 8,
-         "max_len": 8192, "kv_dtype": "float32", "id_map": "drafter-l2-v8192/id_map.npy",
-         "weight_bytes": 125353879, "stats": {"top1_agreement": 0.0258, "latency_ms_s1": 0.872}},
-    ],
-    "files": [], "tokenizer": "tokenizer.json", "chat_template": None,
-    "special_tokens": {"bos": 1, "eos": [2], "pad": 2}, "source": {}, "converter": {},
-}
 # external data files of the real export (model.onnx.data), i.e. weight_bytes without the graph protobuf
 TARGET_DATA, DRAFTER_DATA = 216_233_216, 125_345_024
 
-
-def smollm2_manifest(**graph_overrides) -> Manifest:
-    d = copy.deepcopy(SMOLLM2)
-    for g in d["graphs"]:
-        g.update(graph_overrides)
-    return Manifest.from_dict(d)
-
-
 M = smollm2_manifest()  # an int4 export from before GRAPH_VERSION 6: integer zero points (block_min=False)
 CPU = DEFAULT_CALIBRATIONS["cpu"]
+DRAFT = "drafter-l2-v8192"
 
 
 # ------------------------------------------------------------------------------------------- KV and linears
@@ -342,3 +321,118 @@ def test_memory_never_imports_onnxruntime():
     code = "import sys, memory, memory.planner; assert 'onnxruntime' not in sys.modules, 'memory imported ORT'"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+# ------------------------------------------------------------------------------------------- byte counts by hand
+def test_linear_bytes_round_zero_points_and_skip_block_min_for_ragged_k():
+    # K = 96: 3 blocks of 32; 4-bit zero points pack two per byte, so 2 bytes per output channel
+    assert linear_bytes(96, 10, 4) == linear_bytes(96, 10, 4, block_min=False)
+    assert linear_bytes(96, 10, 4).zero_points == 10 * 2 and linear_bytes(96, 10, 4).packed == 10 * 3 * 16
+    # block minimums: ceil(blocks / 32) residual blocks, only for whole blocks (export.graph keeps ragged K plain)
+    assert [block_min_extra(k, 32) for k in (576, 1024, 1056, 4096)] == [1, 1, 2, 4]
+    assert linear_bytes(576, 8, 4, block_min=True).packed == 8 * (18 + 1) * 16
+    assert linear_bytes(40, 8, 4, block_min=True) == linear_bytes(40, 8, 4)
+
+
+def test_what_if_weights_for_biases_w8a8_quantized_embeddings_and_a_4bit_head():
+    arch = {**SMOLLM2["arch"], "qkv_bias": True}
+    hidden, q, kv, inter, layers, vocab = 576, 9 * 64, 3 * 64, 1536, 30, 49152
+    w = predict_weight_bytes(arch, precision="fp32", block_min=False)
+    assert w.other == layers * (q + 2 * kv) * 4
+    w = predict_weight_bytes(SMOLLM2["arch"], precision="w8a8", block_min=False)
+    per_layer = sum(k * n + n * 4 for k, n in ((hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden)))
+    assert w.body.total == layers * per_layer and w.head.total == hidden * vocab + vocab * 4
+    w = predict_weight_bytes(SMOLLM2["arch"], precision="int4", embedding_bits=4)
+    assert w.embedding_row == 18 * (16 + 4 + 1) and w.embedding == vocab * 18 * 21
+    w = predict_weight_bytes(SMOLLM2["arch"], precision="int4", embedding_bits=4, zero_points=False)
+    assert w.embedding_row == 18 * (16 + 4)
+    # an int8 body with a 4-bit head: the head's block-sum matrix [hidden, 32 · extra] fp32 is the only one
+    w = predict_weight_bytes(SMOLLM2["arch"], precision="int8", lm_head_bits=4, block_min=True)
+    assert w.other == hidden * 32 * 1 * 4
+
+
+def test_embedding_residency_windows():
+    def occupancy(embedding, fault, distinct):
+        windows = max(1, math.ceil(embedding / fault))
+        return min(embedding, round(windows * -math.expm1(-distinct / windows) * fault))
+
+    empty = WeightBytes(0, linear_bytes(32, 32, None), linear_bytes(32, 32, None), 0, 0, 0, 0)
+    # rows wider than the fault-around window: a look-up maps at least its whole row
+    w = replace(empty, embedding=1000 * 131072, embedding_row=131072)
+    assert embedding_resident_bytes(w, CPU, 100) == occupancy(w.embedding, 131072, 100 ** 0.8)
+    # a table that is not a whole number of windows: the last, partial window counts
+    w = replace(empty, embedding=10 * 65536 + 4096, embedding_row=2304)
+    assert embedding_resident_bytes(w, CPU, 3) == occupancy(w.embedding, 65536, 3 ** 0.8)
+    cal = replace(CPU, embedding_distinct_coef=2.0)
+    w = replace(empty, embedding=1728 * 65536, embedding_row=2304)
+    assert embedding_resident_bytes(w, cal, 500) == occupancy(w.embedding, 65536, 2.0 * 500 ** 0.8)
+
+
+def test_arena_and_bias_terms_by_hand():
+    # context 100 < the 256-row prefill chunk: the prompt is one 100-row call
+    fp = predict_peak(M, Speculation(), 100)
+    assert fp["target.arena"] == 80 * 100 * 576 + 8 * 100 * 101
+    assert fp["runtime.bias"] == 100 * 101 * 4
+    # context 1: only 1-row calls, which reuse a view of the session's bias row
+    assert predict_peak(M, Speculation(), 1)["runtime.bias"] == 0
+    # a fixed arena (act_mb) is in MB
+    cal = replace(CPU, act_mb=2.0)
+    assert predict_peak(M, Speculation(), 100, cal)["target.arena"] == 2 * MB + 80 * 100 * 576 + 8 * 100 * 101
+    # GPU: c·R·vocab counts the logits rows a call keeps (a prefill chunk keeps 1)
+    gpu = DEFAULT_CALIBRATIONS["gpu"]
+    fp = predict_peak(M, Speculation("lookup", 3), 2048, gpu)
+    assert fp["target.arena"] == round(max(80 * 4 * 576 + 4 * 4 * 49152, 80 * 256 * 576 + 4 * 1 * 49152))
+
+
+def test_model_drafter_calls_by_hand():
+    """The drafter's call is its width + 1 rows (the accepted token and the draft), padded to min_call."""
+    fp = predict_peak(M, Speculation("model", 4, DRAFT), 1)
+    assert fp["drafter.arena"] == 80 * 2 * 576 + 8 * 2 * 3  # 2 rows over context 1 + 2
+    fp = predict_peak(M, Speculation("model", 4, DRAFT), 1, min_call=2)
+    assert fp["drafter.logits"] == 2 * 8192 * 4 and fp["drafter.arena"] == 80 * 3 * 576 + 8 * 3 * 4
+
+
+def test_sampling_work_for_model_free_drafters_has_no_q():
+    fp = predict_peak(M, Speculation("lookup", 4, sampling=True), 256)
+    assert fp["verify.work"] == 5 * 49152 * 4
+
+
+def test_calibration_bounds():
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        Calibration(baseline_mb=math.inf)
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        Calibration.from_dict({"session_mb": "inf"})
+    assert Calibration(embedding_distinct_exp=1.0).embedding_distinct_exp == 1.0  # distinct = context: allowed
+
+
+def test_the_default_drafter_is_the_best_agreeing_graph():
+    d = copy.deepcopy(SMOLLM2)
+    better = copy.deepcopy(d["graphs"][1])
+    better.update(name="drafter-better", stats={"top1_agreement": 0.5})
+    d["graphs"].append(better)
+    m2 = Manifest.from_dict(d)
+    assert drafter_graph(m2).name == "drafter-better"
+    assert predict_peak(m2, Speculation("model", 2), 100) == predict_peak(m2, Speculation("model", 2, "drafter-better"),
+                                                                          100)
+
+
+def test_kv_capacity_is_the_wider_of_the_call_and_min_call():
+    assert kv_capacity(100, Speculation("lookup", 7), min_call=4) == 108
+    assert kv_capacity(100, Speculation("lookup", 2), min_call=4) == 104
+
+
+@pytest.mark.parametrize("bad", [float("nan"), "0.9", True, 1.5, -0.1, None])
+def test_a_malformed_agreement_in_the_manifest_falls_back_to_the_default_prior(bad):
+    """A hand-edited top1_agreement that is not a probability: the planner's prior, the engine's, and the choice of
+    drafter graph use the default instead of a NaN plan (the prior check refuses NaN) or a TypeError."""
+    from types import SimpleNamespace
+
+    from memory.footprint import drafter_graph, top1_agreement
+    from memory.planner import DEFAULT_MODEL_PRIOR, default_stats
+
+    bad_g = SimpleNamespace(name="bad", stats={"top1_agreement": bad})
+    good = SimpleNamespace(name="good", stats={"top1_agreement": 0.2})
+    assert top1_agreement(bad_g, 0.3) == 0.3 and top1_agreement(good, 0.3) == 0.2
+    m = SimpleNamespace(name="m", drafters=(bad_g, good))
+    assert drafter_graph(m) is good
+    assert default_stats(m)["bad"].rate[0, 0] == pytest.approx(DEFAULT_MODEL_PRIOR)

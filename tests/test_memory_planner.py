@@ -1,7 +1,10 @@
 """memory.planner: the choice against a brute-force sweep written here, budgets, the shrinking order as the context
-grows, the BudgetError message, static shape buckets, lower bounds, and plans on every shipped device profile."""
+grows, the BudgetError message, static shape buckets, lower bounds, and plans on every shipped device profile; latency
+curves and their calibration errors, candidates priced by hand (padded calls, shape buckets), ties and re-planning,
+and the per-step chain length against a brute-force search."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 from types import SimpleNamespace
@@ -10,17 +13,20 @@ import numpy as np
 import pytest
 
 from devices import check_available, list_profiles, load_profile
-from memory import (AcceptanceStats, BudgetError, LatencyCurve, Plan, PlanError, Speculation, candidates,
+from edge.manifest import Manifest
+from helpers import SMOLLM2, chain_acc, smollm2_manifest
+from memory import (MB, AcceptanceStats, BudgetError, LatencyCurve, Plan, PlanError, Speculation, candidates,
                     min_budget_plain, min_budget_speculative, plan, predict_peak, replan)
 from memory.footprint import DEFAULT_CALIBRATIONS
-from memory.planner import DEFAULT_T1_MS, Latency
-from test_memory_footprint import smollm2_manifest
+from memory.planner import (DEFAULT_T1_MS, DEFAULT_VERIFY_SHAPE, Latency, best_chain, best_prefix, export_verify_shape,
+                            fullest, plain_call_rows)
 
 M = smollm2_manifest()
 DRAFT = "drafter-l2-v8192"
 TARGET_MS = [[1, 10.0], [2, 10.5], [4, 11.0], [8, 13.0], [16, 16.0], [32, 30.0], [64, 60.0]]
-CAL = {"latency": {"target": TARGET_MS, "drafters": {DRAFT: [[1, 0.8], [4, 1.0], [16, 2.0]]},
-                   "lookup_ms": 0.1, "recycling_ms": 0.2, "overhead_ms": 0.3}}
+DRAFT_MS = [[1, 0.8], [4, 1.0], [16, 2.0]]
+CAL = {"latency": {"target": TARGET_MS, "drafters": {DRAFT: DRAFT_MS}, "lookup_ms": 0.1, "recycling_ms": 0.2,
+                   "overhead_ms": 0.3}}
 ALL = ("none", "lookup", "recycling", "model")  # + "hybrid" where a test says so
 
 
@@ -199,6 +205,39 @@ def test_plans_are_priced_at_their_own_context():
         max(1000 * (1 + sum(0.5 ** d for d in range(1, k + 1))) / interp(dear_rows, k + 1) for k in range(1, 17)))
     same = {"latency": {"target": flat_rows, "lookup_ms": 0.0}}  # one context: priced alike at any context
     assert plan(None, M, 4000, st, budget_mb=10_000, calibration=same, drafters=("none", "lookup")).nodes == short.nodes
+
+
+def test_latency_curves_reject_free_calls_and_repeated_widths():
+    """A 0 ms point makes tokens/s infinite (a 0 ms plain step divides by zero); two points for one width make the
+    interpolation divide by zero between them."""
+    with pytest.raises(ValueError, match="distinct S"):
+        LatencyCurve(((1, 0.0), (8, 4.0)))
+    with pytest.raises(ValueError, match="distinct S"):
+        LatencyCurve(((1, 5.0), (1, 6.0), (8, 9.0)))
+    with pytest.raises(ValueError, match="latency target"):
+        Latency.from_calibration(M, {"target": [[1, 10.0], [4, 12.0], [4, 11.0]]})
+
+def test_export_shape_ignores_timings_that_are_not_positive():
+    assert export_verify_shape({"latency_ms_by_s": [0.0, 5.0, 6.0]}) == DEFAULT_VERIFY_SHAPE
+    assert export_verify_shape({"latency_ms_by_s": [5.0, 0.0, 6.0]}) == DEFAULT_VERIFY_SHAPE
+    assert export_verify_shape({"latency_ms_by_s": [4.0, 5.0]}) == ((1, 1.0), (2, 1.25))
+
+@pytest.mark.parametrize("latency,needle", [
+    ({"lookup_ms": True}, "lookup_ms must be a finite number"),
+    ({"overhead_ms": math.inf}, "overhead_ms must be a finite number"),
+    ({"context": 256, "target_at": [[1024, [[1, 20.0]]]]}, "needs the target curve"),  # a context but no target
+])
+def test_latency_calibration_errors(latency, needle):
+    with pytest.raises(ValueError, match=needle):
+        Latency.from_calibration(M, latency)
+
+def test_an_untimed_drafter_is_priced_as_the_target_scaled_by_its_layers():
+    d = copy.deepcopy(SMOLLM2)
+    d["graphs"][1]["stats"] = {"top1_agreement": 0.5}  # no latency_ms_s1 measured at export
+    lat = Latency.from_calibration(Manifest.from_dict(d), {"target": [[1, 12.0], [8, 20.0]]})
+    t1 = 12.0 * 2 / 30  # a 2-layer drafter beside a 30-layer target
+    assert lat.drafters[DRAFT](1) == pytest.approx(t1)
+    assert lat.drafters[DRAFT](8) == pytest.approx(t1 * 1.7)  # the default shape
 
 
 # ------------------------------------------------------------------------------------------- brute force
@@ -470,3 +509,152 @@ def test_best_prefix_matches_brute_force():
     assert best_prefix([0.01, 0.9], curve)[0] == 0  # a weak first token: not worth a wider call
     assert best_prefix([0.99] * 6, curve)[0] == 6
     assert best_prefix([0.99] * 6, curve, min_call=8)[0] == 6  # a 7-wide call costs what the 8-wide minimum does
+
+
+# ------------------------------------------------------------------------------------------- pricing by hand
+def test_candidate_prices_with_padded_calls_by_hand():
+    """min_call=2 (1-row calls padded to 2): plain decoding and each drafter call are priced as 2-row calls; a
+    hybrid step pays both model-free drafters; every chain length up to max_k is a candidate."""
+    st = {"hybrid": AcceptanceStats(0.5, draft_rate=0.6), DRAFT: AcceptanceStats([0.9, 0.8, 0.7])}
+    cs = candidates(None, M, 1024, st, calibration=CAL, drafters=("none", "hybrid", "model"), tree_drafters=(),
+                    max_k=5, max_nodes=5, min_call=2)
+    plain, rest = cs[0], cs[1:]
+    t_plain = interp(TARGET_MS, 2)
+    assert plain.verify_rows == 2 and plain.step_ms == pytest.approx(t_plain + 0.3)
+    got = {(c.speculation.drafter, c.speculation.nodes): c for c in rest}
+    assert set(got) == {(d, k) for d in ("hybrid", "model") for k in range(1, 6)}
+    for k in range(1, 6):
+        h = got["hybrid", k]
+        step = 0.1 + 0.2 + 0.6 * interp(TARGET_MS, k + 1) + 0.4 * t_plain + 0.3
+        assert h.step_ms == pytest.approx(step)
+        assert h.tokens_per_s == pytest.approx(1000 * (1 + chain_acc([0.5] * 5, k, 0.6)) / step)
+        m = got["model", k]
+        step = k * interp(DRAFT_MS, 2) + interp(TARGET_MS, max(k + 1, 2)) + 0.3
+        assert m.step_ms == pytest.approx(step)
+        assert m.expected_accepted == pytest.approx(chain_acc([0.9, 0.8, 0.7, 0.7, 0.7], k))
+
+
+def test_model_drafter_tree_calls_are_padded_to_the_buckets():
+    st = {DRAFT: AcceptanceStats(0.5, rank_decay=0.9)}  # two strong candidates per depth: bushy trees
+    cs = candidates(NPU, M, 512, st, calibration=CAL, drafters=("none", "model"), tree_drafters=("model",))
+    bucket = lambda s: min(b for b in NPU.shape_buckets if b >= s)  # noqa: E731
+    assert any(max(c.shape.widths) != bucket(max(c.shape.widths)) for c in cs[1:])  # some width is padded
+    for c in cs[1:]:
+        assert c.speculation.draft_width == bucket(max(c.shape.widths))
+        assert c.step_ms == pytest.approx(sum(interp(DRAFT_MS, bucket(w)) for w in c.shape.widths)
+                                          + interp(TARGET_MS, c.verify_rows) + 0.3)
+
+
+# ------------------------------------------------------------------------------------------- the choice
+def test_a_budget_of_exactly_the_peak_fits():
+    """The budget is a bound the plan may reach: plain decoding at exactly its peak plans, and max_context is
+    the last context whose peak equals the budget."""
+    ctx = 1000
+    peak = predict_peak(M, Speculation(), ctx).total_bytes
+    p = plan(None, M, ctx, budget_mb=peak / MB, drafters=("none",))
+    assert p.drafter == "none" and p.max_context == ctx and p.peak_mb == peak / MB
+    at = predict_peak(M, Speculation(), 3000).total_bytes
+    assert predict_peak(M, Speculation(), 3001).total_bytes > at
+    assert plan(None, M, ctx, budget_mb=at / MB, drafters=("none",)).max_context == 3000
+
+
+def test_no_speculation_without_a_gain():
+    """A drafter that never drafts and costs nothing ties plain decoding: not worth its memory."""
+    st = {"lookup": AcceptanceStats(0.5, draft_rate=0.0)}
+    cal = {"latency": {**CAL["latency"], "lookup_ms": 0.0}}
+    p = plan(None, M, 1024, st, 4000, calibration=cal, drafters=("none", "lookup"))
+    assert p.drafter == "none" and p.speedup == 1.0
+
+
+def test_ties_go_to_the_smaller_plan():
+    """Only depth 1 is ever accepted and extra verify rows are free: every K earns the same, so K = 1."""
+    st = {"lookup": AcceptanceStats([0.5, 0.0])}
+    cal = {"latency": {"target": [[1, 10.0], [64, 10.0]], "lookup_ms": 0.1}}
+    p = plan(None, M, 1024, st, 4000, calibration=cal, drafters=("none", "lookup"))
+    assert (p.drafter, p.k) == ("lookup", 1)
+    assert p.tokens_per_s == pytest.approx(1000 * 1.5 / 10.1)
+
+
+def test_passed_stats_beat_the_calibrations_and_a_graphs_own_beat_model():
+    flat = {"target": [[1, 10.0], [64, 10.5]], "drafters": {DRAFT: [[1, 0.05]]}, "lookup_ms": 0.01}
+    never = AcceptanceStats(0.0, draft_rate=0.0)
+    sure = AcceptanceStats(0.95)
+    cal = {"latency": flat, "acceptance": {"lookup": sure.to_dict()}}
+    assert plan(None, M, 1024, None, 4000, calibration=cal, drafters=("none", "lookup")).drafter == "lookup"
+    assert plan(None, M, 1024, {"lookup": never}, 4000, calibration=cal, drafters=("none", "lookup")).drafter == "none"
+    # "model" stands for every drafter graph without stats of its own
+    p = plan(None, M, 1024, {"model": never, DRAFT: sure}, 4000, calibration={"latency": flat},
+             drafters=("none", "model"))
+    assert p.drafter == "model" and p.expected_accepted == pytest.approx(chain_acc([0.95] * 64, p.k))
+
+
+def test_replan_never_turns_a_chain_into_a_tree():
+    st = {"recycling": AcceptanceStats(0.6, rank_decay=0.9)}
+    kw = dict(calibration=CAL, drafters=("none", "recycling"))
+    chain = plan(None, M, 1024, st, 4000, tree_drafters=(), **kw)
+    assert (chain.drafter, chain.tree) == ("recycling", "chain")
+    assert plan(None, M, 1024, st, 4000, **kw).tree == "best-first"  # a tree is better when allowed
+    again = replan(chain, None, M, 1024, st, 4000, **kw)
+    assert again.tree == "chain" and again.nodes <= chain.nodes
+    assert again.tokens_per_s == pytest.approx(chain.tokens_per_s)  # the same chain is still the best allowed
+
+
+def test_replan_does_not_move_to_another_drafter_graph_of_the_same_size():
+    d = copy.deepcopy(SMOLLM2)
+    twin = copy.deepcopy(d["graphs"][1])
+    twin["name"] = "drafter-twin"
+    d["graphs"].append(twin)
+    m2 = Manifest.from_dict(d)
+    st = {DRAFT: AcceptanceStats(0.3), "drafter-twin": AcceptanceStats(0.95)}
+    kw = dict(calibration={"latency": {"target": TARGET_MS}}, drafters=("none", "model"))
+    assert plan(None, m2, 1024, st, 4000, **kw).draft_graph == "drafter-twin"
+    prev = Plan(drafter="model", k=1, nodes=1, tree="chain", max_context=4000, peak_mb=0.0, tokens_per_s=1.0,
+                reason="", draft_graph=DRAFT, budget_mb=4000.0)
+    p = replan(prev, None, m2, 1024, st, **kw)
+    assert p.nodes <= 1 and p.draft_graph in (None, DRAFT)
+
+
+def test_plain_call_rows_and_the_fullest_context():
+    buckets = SimpleNamespace(shape_buckets=(1, 4, 8))
+    assert [plain_call_rows(buckets, m) for m in (1, 2, 4, 5)] == [1, 4, 4, 8]
+    assert plain_call_rows(None, 3) == 3 and plain_call_rows(SimpleNamespace(shape_buckets=(2,)), 4) == 4
+    assert fullest(256, 1) == 255 and fullest(256, 4) == 252 and fullest(3, 4) == 1
+
+
+def test_plain_rows_follow_min_call_without_buckets():
+    p = plan(None, M, 512, budget_mb=4000, drafters=("none",), calibration=CAL, min_call=3)
+    assert p.verify_rows == 3 and p.tokens_per_s == pytest.approx(1000 / (interp(TARGET_MS, 3) + 0.3))
+
+
+# ------------------------------------------------------------------------------------------- per-step choice
+def _brute_chain(rates, h, curve, draft_ms, max_k, min_call):
+    best = (0, 1.0 / curve(max(1, min_call)))
+    for k in range(1, max_k + 1):
+        r = (1 + chain_acc(rates, k, h)) / (k * draft_ms + curve(max(k + 1, min_call)))
+        if r > best[1]:
+            best = (k, r)
+    return best
+
+
+@pytest.mark.parametrize("min_call", [1, 4, 8])
+@pytest.mark.parametrize("h", [1.0, 0.4])
+def test_best_chain_with_draft_rate_min_call_and_a_short_table(min_call, h):
+    """max_k beyond the statistics' depth reuses the last depth's rate; calls are padded to min_call; E[accepted]
+    is scaled by the share of steps that draft."""
+    curve = LatencyCurve(((1, 9.0), (8, 15.3), (16, 19.8)))
+    for prior in ([0.9, 0.9, 0.3], [0.95, 0.9, 0.85], [0.6, 0.2, 0.9]):
+        st = AcceptanceStats(prior, max_depth=3, draft_rate=h)
+        rates = prior + [prior[-1]] * 9
+        k, rate = best_chain(st, curve, 0.5, 12, min_call)
+        want = _brute_chain(rates, h, curve, 0.5, 12, min_call)
+        assert k == want[0] and rate == pytest.approx(want[1]), prior
+
+
+def test_best_prefix_pays_for_the_padded_call():
+    curve = lambda s: 10.0 + 2.0 * (s - 1)  # noqa: E731
+    p = [0.9, 0.5, 0.2]
+    for min_call in (1, 3, 6):
+        rates = [1 / curve(max(1, min_call))] + [(1 + chain_acc(p, k)) / curve(max(k + 1, min_call))
+                                                  for k in range(1, 4)]
+        k, rate = best_prefix(p, curve, min_call)
+        assert k == int(np.argmax(rates)) and rate == pytest.approx(max(rates))

@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 import edge
 from edge import EngineError
+from edge.engine import ContextFull
 from edge.text import StreamDecoder, TextCodec
 
 FUZZ = settings(max_examples=150, deadline=None, database=None)
+PROMPT = "def add(a, b):"
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,17 @@ def test_max_tokens_beyond_the_context_stops_at_the_window(small):
     assert r.finish_reason in ("length", "stop")
     assert len(small.encode("hi")) + len(r.token_ids) <= small.context
     consistent(small)
+
+
+def test_a_prompt_that_fills_the_context_is_refused_and_one_that_leaves_a_slot_is_answered(tiny_dir):
+    """An answer needs at least one free slot after the prompt: a prompt of exactly `context` tokens is refused
+    (nothing is left for even one token), one of `context - 1` tokens gets its one token."""
+    n = len(edge.load(tiny_dir, drafter="none", context=256).encode(PROMPT))
+    with pytest.raises(EngineError, match=rf"prompt is {n} tokens but the context holds {n}"):
+        edge.load(tiny_dir, drafter="none", context=n).generate(PROMPT)
+    e = edge.load(tiny_dir, drafter="none", context=n + 1)
+    r = e.generate(PROMPT, max_tokens=10)
+    assert len(r.token_ids) == 1 and r.finish_reason == "length"
 
 
 # ----------------------------------------------------------------------------- chat history overflow
@@ -111,6 +124,44 @@ def test_drop_oldest_refuses_when_the_question_alone_does_not_fit(small):
 def test_unknown_overflow_policy(small):
     with pytest.raises(EngineError, match="overflow"):
         small.chat(overflow="truncate_middle")
+
+
+def test_a_chat_turn_that_exactly_fills_the_context_is_context_full(tiny_dir):
+    n = len(edge.load(tiny_dir, drafter="none", context=256).encode([{"role": "user", "content": PROMPT}]))
+    chat = edge.load(tiny_dir, drafter="none", context=n).chat()
+    with pytest.raises(ContextFull) as e:
+        chat.ask(PROMPT, max_tokens=4)
+    assert (e.value.n, e.value.context, e.value.alone) == (n, n, True) and chat.messages == []
+
+
+def test_a_question_too_long_alone_says_so_with_a_system_message(tiny_dir):
+    chat = edge.load(tiny_dir, drafter="none", context=64).chat(system="Be terse.")
+    with pytest.raises(ContextFull) as e:
+        chat.ask("word " * 100, max_tokens=4)
+    assert e.value.alone and chat.messages == [{"role": "system", "content": "Be terse."}]
+
+
+def test_drop_oldest_reserves_at_most_half_the_context_for_the_answer(tiny_dir):
+    """max_tokens beyond the context (allowed: the answer stops at the window) must not drop turns that fit with
+    half the context left for the answer."""
+    e = edge.load(tiny_dir, drafter="none", context=256)
+    chat = e.chat(overflow="drop_oldest")
+    chat.ask("name a river", max_tokens=2)
+    chat.ask("and a city?", max_tokens=2)
+    history = [dict(m) for m in chat.messages]
+    assert len(e.encode(history + [{"role": "user", "content": "why?"}])) + 128 <= 256
+    chat.ask("why?", max_tokens=10**6)
+    assert chat.dropped == 0 and chat.messages[:4] == history
+
+
+def test_drop_oldest_keeps_a_history_that_fits_exactly(tiny_dir):
+    """Prompt plus the answer's reserve exactly filling the context fits: nothing is dropped."""
+    history = [{"role": "user", "content": "name a river"}, {"role": "assistant", "content": "the Nile"}]
+    n = len(edge.load(tiny_dir, drafter="none", context=256).encode(history + [{"role": "user", "content": "why?"}]))
+    chat = edge.load(tiny_dir, drafter="none", context=n + 5).chat(overflow="drop_oldest")
+    chat.messages = [dict(m) for m in history]
+    chat.ask("why?", max_tokens=5)
+    assert chat.dropped == 0 and chat.messages[:2] == history
 
 
 # ----------------------------------------------------------------------------- odd characters

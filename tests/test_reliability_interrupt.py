@@ -103,3 +103,21 @@ def test_interrupted_sampling_turn_keeps_state_consistent(tiny_dir, reference, m
     monkeypatch.undo()
     check_state(e)
     next_turn_equals_fresh(chat, reference, "hybrid")
+
+
+def test_an_interrupted_prefill_keeps_the_prefix_it_reused(fresh, monkeypatch):
+    """Ctrl-C during a prefill rolls the cache back to what it shares with the new prompt (still valid), not to
+    nothing: the next request re-uses it."""
+    fresh.generate("the quick brown fox", max_tokens=4)
+    before = list(fresh.cached)
+    ids = fresh.encode("the quick brown cat")
+    lcp = next(i for i, (a, b) in enumerate(zip(before, ids)) if a != b)
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(fresh.target, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fresh.generate("the quick brown cat", max_tokens=4)
+    monkeypatch.undo()
+    assert fresh.cached == ids[:lcp] and fresh.target.cache.length == lcp
+    assert fresh.generate("the quick brown cat", max_tokens=4).stats.reused_tokens == lcp

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 
 import numpy as np
 import pytest
@@ -14,13 +13,6 @@ import edge
 from conftest import VOCAB
 from edge import ModelDirError
 from edge.manifest import FORMAT_VERSION, MANIFEST_NAME
-
-
-@pytest.fixture
-def model_copy(exported_llama, tmp_path):
-    out = tmp_path / "model"
-    shutil.copytree(exported_llama[0], out)
-    return out
 
 
 def expect_load_error(d, file_part: str, **kw) -> str:

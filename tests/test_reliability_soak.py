@@ -1,5 +1,5 @@
 """A short memory soak on the real embedded model, in its own process (RSS of this pytest process would count
-every other test's models): `python -m edge.tools.soak --turns 60`. The 500-turn figures are in tests/RELIABILITY.md."""
+every other test's models): `python -m edge.tools.soak --turns 60`. The 500-turn figures are in docs/reliability.md."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
 """Two or more real threads on one engine: a request that finds the engine busy gets EngineBusy at once (the
 caller serializes by retrying), never a corrupted cache or an answer that differs from the single-threaded one.
-The server's bounded queue with disconnecting clients is tested in test_serve.py."""
+The server's bounded queue with disconnecting clients is tested in test_server.py."""
 from __future__ import annotations
 
 import threading

@@ -89,7 +89,7 @@ def test_real_sampling_head_gives_the_distribution_of_the_logits(real, temperatu
 def test_real_decoding_memory_stays_flat(real):
     """A long answer must not grow the process beyond what the footprint model counts (the KV cache is resident
     from load). With ORT's per-shape memory patterns on, every decode step cached a new pattern: +30.7 MB over
-    600 tokens, against +5.3 MB with them off (session 20)."""
+    600 tokens, against +5.3 MB with them off."""
     import psutil
 
     real.generate("Tell me a long story about a dragon.", max_tokens=8, drafter="none")

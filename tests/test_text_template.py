@@ -207,7 +207,7 @@ def test_generate_with_a_runaway_template_is_an_engine_error(bad_engine):
 
 
 def test_edge_chat_reports_a_runaway_template_in_one_line(bad_engine, monkeypatch, capsys):
-    from edge import args, chat as cli
+    from edge import chat as cli
 
     monkeypatch.setattr(edge, "load", lambda *a, **kw: bad_engine)
     assert cli.main(["--model", "x", "--prompt", "hi"]) == 2
@@ -242,3 +242,42 @@ def test_edge_export_reports_a_broken_template_in_one_line(tiny_llama_dir, tmp_p
     err = capsys.readouterr().err
     assert "edge-export: error: the model's chat template has a syntax error" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- special tokens, blocks, no template
+
+def _template_codec(tmp_path, template, bos=1, eos=(2, 3)):
+    from tokenizers import Tokenizer, models
+
+    from edge.text import TextCodec
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<|eot|>": 3}
+    (tmp_path / "tokenizer.json").write_text(Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).to_str())
+    return TextCodec(tmp_path / "tokenizer.json", template, bos, eos)
+
+
+def test_template_gets_bos_and_the_first_eos_token(tmp_path):
+    """Templates that write {{ bos_token }} / {{ eos_token }} (Llama, Mistral, Gemma) get the BOS token and the first
+    of the export's end tokens."""
+    codec = _template_codec(tmp_path, "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}"
+                                      "{% endfor %}")
+    assert codec.render([{"role": "user", "content": "hi"}]) == "<s>hi</s>"
+
+
+def test_template_blocks_on_their_own_lines_leave_no_newlines(tmp_path):
+    """Chat templates render with trim_blocks and lstrip_blocks, as Hugging Face renders them: a template written one
+    block per line puts no newline before every message."""
+    codec = _template_codec(tmp_path, "{% for m in messages %}\n  {% if m['role'] == 'user' %}\n"
+                                      "U:{{ m['content'] }}\n  {% endif %}\n{% endfor %}\n"
+                                      "{% if add_generation_prompt %}\nA:{% endif %}")
+    assert codec.render([{"role": "user", "content": "hi"}]) == "U:hi\nA:"
+    assert codec.render([{"role": "user", "content": "hi"}], add_generation_prompt=False) == "U:hi\n"
+
+
+def test_no_template_adds_the_assistant_prefix_only_when_asked(tmp_path):
+    """Without a chat template, the plain "role: content" rendering ends with "assistant: " only when
+    add_generation_prompt is true."""
+    codec = _template_codec(tmp_path, None)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    assert codec.render(msgs) == "system: be brief\nuser: hi\nassistant: "
+    assert codec.render(msgs, add_generation_prompt=False) == "system: be brief\nuser: hi\n"

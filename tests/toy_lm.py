@@ -9,6 +9,8 @@ joint distribution -- that is what "lossless" means.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from hypothesis import strategies as st
 
@@ -88,3 +90,28 @@ def random_dist(draw_, entry, vocab: int) -> np.ndarray:
     if row.sum() <= 0:
         row[draw_(st.integers(0, vocab - 1))] = 1.0
     return row / row.sum()
+
+
+def slow_process(logits, temperature=1.0, top_k=0, top_p=1.0) -> list[float]:
+    """Reference for one row, in plain Python floats: sort-based top-k and top-p."""
+    v = len(logits)
+    x = [float(l) / temperature for l in logits]
+    # ranked on the logits themselves (dividing by T > 0 keeps their order; in floats it can underflow two distinct
+    # logits, 0 and 5e-324 at T = 3, into a tie); ties: lower id first
+    by_rank = sorted(range(v), key=lambda i: (-float(logits[i]), i))
+    kept = by_rank[:top_k] if 0 < top_k < v else by_rank
+    m = max(x[i] for i in kept)
+    w = {i: math.exp(x[i] - m) for i in kept}
+    z = sum(w.values())
+    probs = {i: w[i] / z for i in kept}
+    if top_p < 1.0:
+        order = sorted(kept, key=lambda i: (-probs[i], i))
+        nucleus, mass = [], 0.0
+        for i in order:
+            nucleus.append(i)
+            mass += probs[i]
+            if mass >= top_p:
+                break
+        z = sum(probs[i] for i in nucleus)
+        probs = {i: probs[i] / z for i in nucleus}
+    return [probs.get(i, 0.0) for i in range(v)]

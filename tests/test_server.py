@@ -97,19 +97,6 @@ def server(tiny_dir):
     assert "Traceback" not in out, out
 
 
-@pytest.fixture(scope="module")
-def fresh(tiny_dir):
-    """generate(messages, **kw) on an engine with an empty cache and drafter state: the lossless reference."""
-    engine = edge.load(tiny_dir, drafter="none")
-
-    def generate(messages, **kw):
-        engine.reset()
-        return engine.generate(messages, **{"drafter": "none", **kw})
-
-    generate.engine = engine
-    return generate
-
-
 @pytest.fixture
 def client(server):
     import openai  # in the [test] extra: a broken install fails, never skips
@@ -121,20 +108,20 @@ CONV = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "
 
 # ------------------------------------------------------------------------------ the openai client
 
-def test_openai_client_non_streaming_equals_engine(client, fresh):
-    ref = fresh(CONV, max_tokens=24)
+def test_openai_client_non_streaming_equals_engine(client, plain_reference):
+    ref = plain_reference(CONV, max_tokens=24)
     r = client.chat.completions.create(model="tiny", messages=CONV, max_tokens=24, temperature=0)
     assert r.choices[0].message.content == ref.text
     assert r.choices[0].finish_reason == ref.finish_reason
     assert r.usage.completion_tokens == len(ref.token_ids)
-    assert r.usage.prompt_tokens == len(fresh.engine.encode(CONV))
+    assert r.usage.prompt_tokens == len(plain_reference.engine.encode(CONV))
     ext = r.model_extra["edgespec"]
     assert {"drafter", "drafted", "accepted", "steps", "mean_accepted_len", "prompt_tokens_reused"} <= set(ext)
     assert 0 <= ext["accepted"] <= ext["drafted"] and ext["steps"] >= 1
 
 
-def test_openai_client_streaming_equals_engine(client, fresh):
-    ref = fresh(CONV, max_tokens=30)
+def test_openai_client_streaming_equals_engine(client, plain_reference):
+    ref = plain_reference(CONV, max_tokens=30)
     chunks = list(client.chat.completions.create(model="tiny", messages=CONV, max_tokens=30, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -145,8 +132,8 @@ def test_openai_client_streaming_equals_engine(client, fresh):
 
 
 @pytest.mark.parametrize("drafter", ["none", "lookup", "model"])
-def test_per_request_drafter_is_lossless(client, fresh, drafter):
-    ref = fresh(CONV, max_tokens=20)
+def test_per_request_drafter_is_lossless(client, plain_reference, drafter):
+    ref = plain_reference(CONV, max_tokens=20)
     r = client.chat.completions.create(model="tiny", messages=CONV, max_tokens=20, temperature=0,
                                        extra_body={"edgespec": {"drafter": drafter, "draft_len": 3}})
     assert r.choices[0].message.content == ref.text
@@ -155,17 +142,17 @@ def test_per_request_drafter_is_lossless(client, fresh, drafter):
 
 
 @pytest.mark.parametrize("top_k", [None, 5])
-def test_seeded_sampling_follows_the_request(client, fresh, top_k):
+def test_seeded_sampling_follows_the_request(client, plain_reference, top_k):
     kw = dict(max_tokens=20, temperature=0.9, top_p=0.8, seed=7)
-    ref = fresh(CONV, **kw, **({} if top_k is None else {"top_k": top_k}))
+    ref = plain_reference(CONV, **kw, **({} if top_k is None else {"top_k": top_k}))
     extra = {"edgespec": {"drafter": "none"}, **({} if top_k is None else {"top_k": top_k})}
     got = [client.chat.completions.create(model="tiny", messages=CONV, extra_body=extra, **kw).choices[0].message.content
            for _ in range(2)]
     assert got == [ref.text, ref.text]
 
 
-def test_stop_string(client, fresh):
-    full = fresh(CONV, max_tokens=24).text
+def test_stop_string(client, plain_reference):
+    full = plain_reference(CONV, max_tokens=24).text
     stop = next(full[i : i + 3] for i in range(4, len(full) - 3) if full[i : i + 3].strip())
     r = client.chat.completions.create(model="tiny", messages=CONV, max_tokens=24, temperature=0, stop=[stop])
     assert r.choices[0].message.content == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
@@ -181,16 +168,16 @@ def test_models_and_health(client, server, tiny_dir):
 
 # ------------------------------------------------------------------------------ conversation reuse
 
-def test_conversation_reuse_prefills_only_new_tokens(client, fresh):
+def test_conversation_reuse_prefills_only_new_tokens(client, plain_reference):
     first = client.chat.completions.create(model="tiny", messages=CONV, max_tokens=16, temperature=0)
     conv = CONV + [{"role": "assistant", "content": first.choices[0].message.content},
                    {"role": "user", "content": "def add(a, b):"}]
     r = client.chat.completions.create(model="tiny", messages=conv, max_tokens=16, temperature=0)
     reused = r.usage.prompt_tokens_details.cached_tokens
     assert reused == r.model_extra["edgespec"]["prompt_tokens_reused"]
-    assert reused >= len(fresh.engine.encode(CONV)) - 1  # at least the first request's prompt
-    assert r.usage.prompt_tokens == len(fresh.engine.encode(conv)) > reused
-    assert r.choices[0].message.content == fresh(conv, max_tokens=16).text
+    assert reused >= len(plain_reference.engine.encode(CONV)) - 1  # at least the first request's prompt
+    assert r.usage.prompt_tokens == len(plain_reference.engine.encode(conv)) > reused
+    assert r.choices[0].message.content == plain_reference(conv, max_tokens=16).text
 
 
 def test_conversation_command_reports_reuse_per_turn(server):
@@ -240,7 +227,7 @@ def test_reuse_can_be_switched_off(tiny_dir, reuse):
 
 # ------------------------------------------------------------------------------ disconnects and the queue
 
-def test_worker_stops_a_cancelled_generation_and_rolls_back(tiny_dir, fresh):
+def test_worker_stops_a_cancelled_generation_and_rolls_back(tiny_dir, plain_reference):
     engine = edge.load(tiny_dir, drafter="lookup")
     job = _job(CONV, max_tokens=100, on_chunk=lambda j: j.cancel.set())  # the client leaves after one chunk
     worker = Worker(engine)
@@ -252,7 +239,7 @@ def test_worker_stops_a_cancelled_generation_and_rolls_back(tiny_dir, fresh):
     nxt = _job(CONV, max_tokens=20)
     _run_jobs(Worker(engine), nxt)
     text = "".join(ch.text for k, ch in nxt.items if k == "chunk")
-    assert text == fresh(CONV, max_tokens=20).text
+    assert text == plain_reference(CONV, max_tokens=20).text
 
 
 def test_full_queue_is_a_503():
@@ -411,7 +398,7 @@ def test_origin_policy(origin, allowed, ok):
     assert origin_allowed(origin, allowed) is ok
 
 
-def test_disconnect_mid_stream_then_fresh_output(server, fresh):
+def test_disconnect_mid_stream_then_fresh_output(server, plain_reference):
     before = _idle(server)
     conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)
     conn.request("POST", "/v1/chat/completions",
@@ -430,10 +417,10 @@ def test_disconnect_mid_stream_then_fresh_output(server, fresh):
     assert after["cancelled"] + after["completed"] == before["cancelled"] + before["completed"] + 1
     conv = CONV + [{"role": "user", "content": "café 😀"}]
     status, body = _post(server, {"messages": conv, "max_tokens": 24, "temperature": 0})
-    assert status == 200 and body["choices"][0]["message"]["content"] == fresh(conv, max_tokens=24).text
+    assert status == 200 and body["choices"][0]["message"]["content"] == plain_reference(conv, max_tokens=24).text
 
 
-def test_load_every_request_answered_or_rejected(server, fresh):
+def test_load_every_request_answered_or_rejected(server, plain_reference):
     before = _idle(server)
     out = run_load(f"http://127.0.0.1:{server}", concurrency=4, requests=6, max_tokens=8, timeout=60)
     assert out["lost"] == 0 and out["malformed_bodies"] == 0, out
@@ -444,7 +431,7 @@ def test_load_every_request_answered_or_rejected(server, fresh):
     assert after["completed"] - before["completed"] == out["answered_200"]
     assert out["latency_ms_200"]["p50"] <= out["latency_ms_200"]["p99"]
     status, body = _post(server, {"messages": CONV, "max_tokens": 24, "temperature": 0})
-    assert status == 200 and body["choices"][0]["message"]["content"] == fresh(CONV, max_tokens=24).text
+    assert status == 200 and body["choices"][0]["message"]["content"] == plain_reference(CONV, max_tokens=24).text
 
 
 def test_load_refuses_remote_targets():
@@ -567,7 +554,7 @@ def test_body_is_refused_before_it_is_held_whole():
     assert asyncio.run(_read_body(Small())) == b'{"messages": []}'
 
 
-def test_server_refuses_oversized_prompt_and_body_then_keeps_serving(server, fresh):
+def test_server_refuses_oversized_prompt_and_body_then_keeps_serving(server, plain_reference):
     long = [{"role": "user", "content": "the quick brown fox " * 200}]  # far past the tiny export's 256 tokens
     before = _get(server, "/health")[1]
     status, obj = _post(server, {"messages": long, "max_tokens": 4})
@@ -594,7 +581,7 @@ def test_server_refuses_oversized_prompt_and_body_then_keeps_serving(server, fre
         status, obj = _request(server, method, path)
         assert status == want and set(obj["error"]) == {"message", "type", "param", "code"}
     status, body = _post(server, {"messages": CONV, "max_tokens": 12, "temperature": 0})
-    assert status == 200 and body["choices"][0]["message"]["content"] == fresh(CONV, max_tokens=12).text
+    assert status == 200 and body["choices"][0]["message"]["content"] == plain_reference(CONV, max_tokens=12).text
 
 
 def test_cli_has_edge_chat_engine_flags_and_refuses_bad_ones(tiny_dir):

@@ -1,24 +1,16 @@
-"""`edge_model.json`: what the exporter writes, the write → load round trip, and the load-time checks that make a
-stale, modified, truncated or foreign model directory fail with the file and the fix named."""
+"""`edge_model.json` (edge/manifest.py): what the exporter writes, the write → load round trip, and the load-time
+checks that make a stale, modified, truncated or foreign model directory fail with the file and the fix named: what
+is (and is not) an export, the rebuild command, a drafter's vocabulary and id map."""
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 
+import numpy as np
 import pytest
 
 from conftest import BOS, CHAT_TEMPLATE, EOS, MAX_LEN, TINY_EXPORT_DRAFTER, VOCAB
 from edge.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ModelDirError, load_manifest
-
-
-@pytest.fixture
-def model_copy(exported_llama, tmp_path):
-    """A private copy of the session export, free to damage."""
-    d, _ = exported_llama
-    out = tmp_path / "model"
-    shutil.copytree(d, out)
-    return out
 
 
 def edit_manifest(d, **changes):
@@ -182,3 +174,88 @@ def test_int4_manifest_records_block_minimums_and_the_footprint_explains_the_fil
 
     # right flag: only the graph structure's estimate is off; the other one misses or invents the residual blocks
     assert off(block_min) < off(not block_min) / 10  # measured: 3.6 KB (the proto estimate) against 60 KB
+
+
+# ----------------------------------------------------------------------------- bad directories, the rebuild command
+
+def test_directory_with_only_a_config_json_is_not_called_a_checkpoint(tmp_path):
+    """A directory holding only a config.json (or only safetensors) is no checkpoint: it gets the "not a complete
+    edgespec export" message, not the advice to export it as a checkpoint."""
+    d = tmp_path / "stuff"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    with pytest.raises(ModelDirError) as ei:
+        load_manifest(d)
+    assert "holds a model checkpoint" not in str(ei.value) and "not a complete edgespec export" in str(ei.value)
+
+
+def test_a_file_given_as_the_model_dir_says_so(tmp_path):
+    """A model directory that is a file (model.onnx, the manifest itself) is called a file, not "no such model
+    directory"."""
+    f = tmp_path / "model.onnx"
+    f.write_bytes(b"x")
+    with pytest.raises(ModelDirError, match="is a file, not a model directory"):
+        load_manifest(f)
+
+
+def test_reexport_command_names_the_recorded_source_checkpoint(model_copy):
+    """The fix every load error names is a runnable command with the checkpoint the export was built from (the
+    manifest's source path), not a CHECKPOINT placeholder."""
+    raw = json.loads((model_copy / MANIFEST_NAME).read_text())
+    src = raw["source"]["path"]
+    assert src
+    victim = model_copy / raw["files"][0]["path"]
+    victim.write_bytes(victim.read_bytes()[:-1])  # truncated
+    with pytest.raises(ModelDirError) as ei:
+        load_manifest(model_copy, verify="size")
+    assert f"edge-export {src} -o {model_copy}" in str(ei.value), str(ei.value)
+
+
+def test_a_boolean_format_version_is_not_format_1(model_copy):
+    """JSON `true` is an int in Python (== 1) but not format 1: the manifest is damaged and refused with the
+    re-export command."""
+    raw = json.loads((model_copy / MANIFEST_NAME).read_text())
+    raw["format_version"] = True
+    (model_copy / MANIFEST_NAME).write_text(json.dumps(raw))
+    with pytest.raises(ModelDirError, match="manifest format True"):
+        load_manifest(model_copy, verify="none")
+
+
+# ----------------------------------------------------------------------------- a drafter's vocabulary and id map
+
+def test_zero_logit_drafter_with_an_empty_id_map_is_refused(tiny_dir, tmp_path):
+    """A drafter with no logits (and an empty id map, which every later check passes vacuously) is refused at load
+    time, not at its first draft."""
+    import dataclasses
+
+    import numpy as np
+
+    from edge.manifest import check_drafter
+
+    m = load_manifest(tiny_dir, verify="none")
+    np.save(tmp_path / "empty.npy", np.zeros(0, np.int64))
+    g = dataclasses.replace(m.drafters[0], vocab=0, id_map="empty.npy")
+    with pytest.raises(ModelDirError, match="0-token vocabulary"):
+        check_drafter(tmp_path, m, g)
+    check_drafter(tiny_dir, m, m.drafters[0])  # the real one passes
+
+
+@pytest.mark.parametrize("ids, why", [
+    (lambda m, g: np.arange(g.vocab - 1, dtype=np.int64), "shorter than the drafter's logits"),
+    (lambda m, g: np.arange(m.arch["vocab"] - g.vocab + 1, m.arch["vocab"] + 1, dtype=np.int64), "id == vocab"),
+    (lambda m, g: np.arange(g.vocab, dtype=np.float64), "float ids"),
+    (lambda m, g: np.arange(-1, g.vocab - 1, dtype=np.int64), "id -1"),
+])
+def test_id_map_off_by_one_is_refused(tiny_dir, tmp_path, ids, why):
+    """Each of these id maps is refused: one entry short (logit index g.vocab - 1 has no token), one naming token id
+    == vocab (one past the target's table), float ids (which cannot index token ids), and id -1 (which numpy would
+    silently read as the last token)."""
+    import dataclasses
+
+    from edge.manifest import check_drafter
+
+    m = load_manifest(tiny_dir, verify="none")
+    g = m.drafters[0]
+    np.save(tmp_path / "map.npy", ids(m, g))
+    with pytest.raises(ModelDirError, match="drafter id map"):
+        check_drafter(tmp_path, m, dataclasses.replace(g, id_map="map.npy"))

@@ -20,15 +20,11 @@ from edge import EngineError
 from edge.planning import CalibrationError, load_calibration, make_plan, profile_for
 from edge.tools.pngplot import plot_png
 from edge.tools.profile import fit_baseline, planner_vs_sweep, specmemo_pair, summarize_speed, validation_table
+from helpers import run_module
 from memory import AcceptanceStats, predict_peak
 
 PROMPTS = [{"id": "a", "category": "qa", "turns": ["the quick brown fox jumps over the lazy dog"]},
            {"id": "b", "category": "code", "turns": ["def add(a, b):\n    return a + b\n"]}]
-
-
-def _run(args, stdin=None, timeout=240):
-    return subprocess.run([sys.executable, "-m", *args], input=stdin, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +50,11 @@ def calibration(tmp_path, accept: float, name: str = "cal.json", baseline_mb: fl
 # ------------------------------------------------------------------------------------------- edge-profile
 def test_edge_profile_end_to_end_writes_calibration_json_and_pngs(tiny_dir, prompts, tmp_path):
     out = tmp_path / "prof"
-    r = _run(["edge.tools.profile", str(prompts), "--model", str(tiny_dir), "--out", str(out), "--sizes", "1,2,4",
-              "--latency-reps", "1", "--latency-contexts", "16", "--prompts-per-category", "1", "--max-tokens", "8",
-              "--accept-k", "4", "--sweep-ks", "1,4", "--sweep-drafters", "lookup", "--sweep-prompts", "1",
-              "--reps", "1", "--contexts", "24,96", "--mem-ks", "0,4", "--specmemo-context", "24", "--quiet"])
+    r = run_module(["edge.tools.profile", str(prompts), "--model", str(tiny_dir), "--out", str(out),
+                    "--sizes", "1,2,4", "--latency-reps", "1", "--latency-contexts", "16",
+                    "--prompts-per-category", "1", "--max-tokens", "8", "--accept-k", "4", "--sweep-ks", "1,4",
+                    "--sweep-drafters", "lookup", "--sweep-prompts", "1", "--reps", "1", "--contexts", "24,96",
+                    "--mem-ks", "0,4", "--specmemo-context", "24", "--quiet"])
     assert r.returncode == 0, r.stderr[-3000:]
     cal = load_calibration(out / "calibration.json")  # valid as the planner reads it
     assert {"latency", "acceptance", "memory", "source"} <= set(cal)
@@ -77,7 +74,7 @@ def test_edge_profile_end_to_end_writes_calibration_json_and_pngs(tiny_dir, prom
 
 
 def test_edge_profile_missing_prompt_file_is_one_clear_line(tmp_path):
-    r = _run(["edge.tools.profile", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")])
+    r = run_module(["edge.tools.profile", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")])
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "nope.jsonl not found" in r.stderr
 
@@ -85,7 +82,7 @@ def test_edge_profile_missing_prompt_file_is_one_clear_line(tmp_path):
 @pytest.mark.parametrize("flags", [["--sizes", "x"], ["--sweep-ks", "x"], ["--contexts", "1k"], ["--sizes", "0"],
                                    ["--sizes", "-3"], ["--latency-reps", "0"], ["--mem-ks", "-1"], ["--reps", "0"]])
 def test_edge_profile_bad_numbers_are_argument_errors(prompts, tmp_path, flags):
-    r = _run(["edge.tools.profile", str(prompts), "--out", str(tmp_path / "o"), *flags])
+    r = run_module(["edge.tools.profile", str(prompts), "--out", str(tmp_path / "o"), *flags])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert flags[0] in r.stderr and not (tmp_path / "o").exists()
 
@@ -99,9 +96,10 @@ def test_edge_profile_bad_numbers_are_argument_errors(prompts, tmp_path, flags):
     ["--steps", "memory", "--mem-ks", "0,65"], ["--steps", "latency", "--sizes", "1,5000"]])
 def test_edge_profile_bad_values_are_refused_before_the_model_loads(tiny_dir, prompts, tmp_path, flags):
     """Not minutes into the run, by the step that uses them: argparse's exit 2 naming the flag, nothing written."""
-    r = _run(["edge.tools.profile", str(prompts), "--model", str(tiny_dir), "--out", str(tmp_path / "o"), "--quiet",
-              "--sizes", "1,2", "--latency-reps", "1", "--max-tokens", "4", "--reps", "1", "--sweep-ks", "1",
-              "--contexts", "24", "--specmemo-context", "0", "--chat-context", "64", "--chat-max-tokens", "4", *flags])
+    r = run_module(["edge.tools.profile", str(prompts), "--model", str(tiny_dir), "--out", str(tmp_path / "o"),
+                    "--quiet", "--sizes", "1,2", "--latency-reps", "1", "--max-tokens", "4", "--reps", "1",
+                    "--sweep-ks", "1", "--contexts", "24", "--specmemo-context", "0", "--chat-context", "64",
+                    "--chat-max-tokens", "4", *flags])
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert f"argument {flags[-2]}" in r.stderr and not (tmp_path / "o").exists()
 
@@ -142,8 +140,8 @@ def test_edge_profile_cut_short_writes_this_runs_steps_and_installs_nothing(tiny
     (["--steps", "memory", "--contexts", "100000"], "no --contexts value fits")])
 def test_edge_profile_runs_that_would_measure_nothing_are_refused(tiny_dir, prompts, tmp_path, flags, said):
     """They exited 0 having done nothing, or failed mid-run with "max() arg is an empty sequence"."""
-    r = _run(["edge.tools.profile", str(prompts), "--model", str(tiny_dir), "--out", str(tmp_path / "o"), "--quiet",
-              "--specmemo-context", "0", *flags])
+    r = run_module(["edge.tools.profile", str(prompts), "--model", str(tiny_dir), "--out", str(tmp_path / "o"),
+                    "--quiet", "--specmemo-context", "0", *flags])
     assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "o" / "calibration.json").exists()
 
@@ -239,7 +237,7 @@ def test_speed_sweep_repeats_draft_alike(tiny_dir, prompts):
 def test_edge_profile_output_under_a_file_is_one_clear_line(tiny_dir, prompts, tmp_path):
     f = tmp_path / "a-file"
     f.write_text("x")
-    r = _run(["edge.tools.profile", str(prompts), "--model", str(tiny_dir), "--out", str(f / "o")])
+    r = run_module(["edge.tools.profile", str(prompts), "--model", str(tiny_dir), "--out", str(f / "o")])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "--out" in r.stderr, r.stderr
     # without --model: refused before the embedded default is looked up (or exported: a minute of work)
     r = subprocess.run([sys.executable, "-m", "edge.tools.profile", str(prompts), "--out", str(f / "o")],
@@ -356,7 +354,7 @@ def test_malformed_calibrations_are_one_clear_error(tmp_path, tiny_dir, doc, nee
     f.write_text(json.dumps(doc))
     with pytest.raises(CalibrationError, match=re.escape(needle)):
         load_calibration(f)
-    r = _run(["edge.chat", "--model", str(tiny_dir), "--plan", "--budget-mb", "500", "--calibration", str(f)])
+    r = run_module(["edge.chat", "--model", str(tiny_dir), "--plan", "--budget-mb", "500", "--calibration", str(f)])
     assert r.returncode == 2 and "Traceback" not in r.stderr and "cal.json" in r.stderr, r.stderr
 
 
@@ -679,15 +677,16 @@ def test_predicted_kv_bytes_are_the_allocated_buffers(tiny_dir):
 
 
 def test_plan_report_refuses_a_context_beyond_the_export_and_plans_its_maximum(tiny_dir):
-    r = _run(["edge.chat", "--model", str(tiny_dir), "--plan", "--context", "300", "--budget-mb", "4096"])
+    r = run_module(["edge.chat", "--model", str(tiny_dir), "--plan", "--context", "300", "--budget-mb", "4096"])
     assert r.returncode == 2 and "--context 300 is more than the 256 tokens" in r.stderr, r.stderr
-    r = _run(["edge.chat", "--model", str(tiny_dir), "--plan", "--json", "--context", "256", "--budget-mb", "4096"])
+    r = run_module(["edge.chat", "--model", str(tiny_dir), "--plan", "--json", "--context", "256",
+                    "--budget-mb", "4096"])
     assert r.returncode == 0 and json.loads(r.stdout)["fits"], r.stdout + r.stderr  # the export's own maximum
 
 
 def test_stats_shows_plan_predicted_and_measured_memory(tiny_dir):
-    r = _run(["edge.chat", "--model", str(tiny_dir), "--max-tokens", "6", "--context", "256", "--budget-mb", "4096"],
-             stdin="hello there\n/stats\n/quit\n")
+    r = run_module(["edge.chat", "--model", str(tiny_dir), "--max-tokens", "6", "--context", "256",
+                    "--budget-mb", "4096"], stdin="hello there\n/stats\n/quit\n")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stderr[r.stderr.index("{"): r.stderr.rindex("}") + 1])
     mem = info["memory_mb"]

@@ -1,6 +1,7 @@
-"""edge-bench's peer runtimes beside edgespec: several onnxruntime-genai folders and llama.cpp (faked: tests/fake_genai,
-tests/fake_llama), each in its own worker process on the same token ids; transformers' fp32 greedy reference on a
-tiny checkpoint (tokens before divergence), prefill speed and each runtime's own peak RSS."""
+"""edge-bench's peer runtimes beside edgespec (edge/tools/peer*.py): several onnxruntime-genai folders and llama.cpp
+(faked: tests/fake_genai, tests/fake_llama), each in its own worker process on the same token ids; transformers' fp32
+greedy reference on a tiny checkpoint (tokens before divergence), prefill speed and each runtime's own peak RSS; the
+peer protocol against scripted workers, and the onnxruntime-genai worker against the fake library."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,12 +9,15 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from edge.tools import bench, peer, peer_genai, peer_llama
+from helpers import run_module
 
 HERE = Path(__file__).parent
 FAKE_GENAI, FAKE_LLAMA = str(HERE / "fake_genai"), str(HERE / "fake_llama")
@@ -28,11 +32,6 @@ def _load(name, path):
 
 fake_og = _load("fake_og", HERE / "fake_genai" / "onnxruntime_genai" / "__init__.py")
 fake_llama = _load("fake_llama", HERE / "fake_llama" / "llama_cpp" / "__init__.py")
-
-
-@pytest.fixture(scope="module")
-def model(exported_llama):
-    return str(exported_llama[0])
 
 
 def _gguf(path: Path) -> str:
@@ -179,6 +178,74 @@ def test_genai_at_a_context_allocates_it_and_still_stops_after_max_new():
     assert out["tokens"] == fake_og.answer(ids, 5, ngram=True)
     out = peer_genai.generate(og, None, ids, 5, None, set())  # no context: the prompt plus max_new, as before
     assert made[-1].max_length == 7 and out["n_gen"] == 5
+
+
+@pytest.mark.parametrize("config, want", [
+    ({"model": {"eos_token_id": 2}}, {2}), ({"model": {"eos_token_id": [2, 7]}}, {2, 7}),
+    ({"model": {}}, set()), ([1, 2], set()), ("not json", set()), (None, set()),
+])
+def test_eos_ids_from_genai_config(tmp_path, config, want):
+    if config is not None:
+        (tmp_path / "genai_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    assert peer_genai.eos_ids(str(tmp_path)) == want
+
+
+def test_eos_ids_of_an_unusable_value_are_none_not_a_crash(tmp_path):
+    """A config naming no usable end token (null, text) is a peer without end tokens, not a worker traceback."""
+    for value, want in ((None, set()), ("eos", set()), (True, set()), ([2, None, "x"], {2})):
+        (tmp_path / "genai_config.json").write_text(json.dumps({"model": {"eos_token_id": value}}))
+        assert peer_genai.eos_ids(str(tmp_path)) == want, value
+
+
+def test_generate_counts_an_end_token_left_out_of_the_sequence_once(monkeypatch):
+    ids = [3, 4]
+    monkeypatch.setenv("FAKE_GENAI_EOS_AFTER", "3")
+    out = peer_genai.generate(fake_og, None, ids, 9, None, set())  # ended early: its end token is not in tokens
+    assert out["tokens"] == fake_og.answer(ids, 3) and out["n_gen"] == 4
+    last = out["tokens"][-1]
+    out = peer_genai.generate(fake_og, None, ids, 9, None, {last})  # the sequence's own end token: counted once
+    assert out["n_gen"] == 3
+    monkeypatch.delenv("FAKE_GENAI_EOS_AFTER")
+    out = peer_genai.generate(fake_og, None, ids, 9, None, set())  # the whole budget: no end token at all
+    assert out["tokens"] == fake_og.answer(ids, 9) and out["n_gen"] == 9
+
+
+def test_generate_splits_prefill_and_decode_time(monkeypatch):
+    clock = iter([1.0, 3.0, 10.0])
+    monkeypatch.setattr(peer_genai.time, "perf_counter", lambda: next(clock))
+    out = peer_genai.generate(fake_og, None, [1], 2, None, set())
+    assert (out["prefill_s"], out["decode_s"]) == (2.0, 7.0)
+
+
+DRIVER = """
+import json, sys
+import onnxruntime_genai as og
+from edge.tools import peer_genai
+
+class Model:
+    def __init__(self, cfg):
+        print("a library's chatter", flush=True)  # on stdout: must not reach the protocol
+        sys.stderr.write("OVERLAY " + json.dumps(cfg.overlays) + "\\n")
+
+og.Model = Model
+sys.argv = ["peer_genai.py", sys.argv[1], "--threads", "3"]
+sys.exit(peer_genai.main())
+"""
+
+
+def test_worker_protocol_keeps_library_output_off_stdout_and_reports_failures_per_request(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([FAKE_GENAI, str(Path(peer.__file__).parents[1])]),
+           "FAKE_GENAI_FAIL_AFTER": "1"}
+    reqs = [{"ids": [1, 2], "max_new": 3, "mode": "greedy"}, {"ids": [1, 2], "max_new": 3, "mode": "ngram"}]
+    r = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path)], input="".join(json.dumps(q) + "\n" for q in reqs),
+                       capture_output=True, text=True, timeout=60, env=env)
+    lines = [json.loads(line) for line in r.stdout.splitlines()]
+    assert r.returncode == 0, r.stderr
+    assert lines[0]["ready"] == "0.0-fake" and lines[1]["tokens"] == fake_og.answer([1, 2], 3)
+    assert lines[0]["peak_rss_mb"] > 1 and lines[1]["peak_rss_mb"] > 1  # the worker's own, loaded and per run
+    assert lines[2] == {"error": "onnxruntime-genai failed: fake failure"} and len(lines) == 3
+    overlay = json.loads(r.stderr.split("OVERLAY ")[1].splitlines()[0])
+    assert overlay[0]["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 3
 
 
 # ----------------------------------------------------------------------------- the fp32 reference worker
@@ -425,3 +492,217 @@ def test_the_fp32_cache_key_follows_the_weights_not_other_files(tmp_path):
     assert bench._reference_fingerprint(str(tmp_path)) == before
     (tmp_path / "model.safetensors").write_bytes(b"\0" * 16)  # re-exported weights: computed again
     assert bench._reference_fingerprint(str(tmp_path)) != before
+
+
+# ----------------------------------------------------------------------------- genai in edge-bench's rotation
+
+def _peer_prompts(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "category": c, "turns": t}) for i, (c, t) in enumerate(
+        [("qa", ["the quick brown fox"]), ("code", ["def add(a, b):", "now subtract"])])) + "\n")
+    return prompts
+
+
+def test_bench_peer_joins_the_rotation_on_the_same_ids(model, tmp_path):
+    """--peer-model: the peer's greedy and n-gram modes run each first turn on the ids edgespec's template gives;
+    its n-gram answers are compared with its own greedy ones, and every edgespec mode with its best mode."""
+    out = tmp_path / "b.json"
+    r = run_module(["edge.tools.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "2",
+                    "--max-tokens", "9", "--modes", "none,lookup", "--peer-model", str(tmp_path), "--out", str(out),
+                    "--quiet"],
+                   env={"PYTHONPATH": FAKE_GENAI})
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["modes"] == ["none", "lookup", "genai", "genai-ngram"] and doc["peer"]["version"] == "0.0-fake"
+    runs = doc["runs"]
+    import edge
+
+    engine = edge.load(model, drafter="none")
+    for pid, first in (("x0", "the quick brown fox"), ("x1", "def add(a, b):")):
+        ids = engine.encode([{"role": "user", "content": first}])  # what a chat's first turn sends
+        assert {r["prompt_tokens"] for r in runs if r["id"] == pid and r["mode"] == "none" and r["turn"] == 0} \
+            == {len(ids)}
+        for mode, ngram in (("genai", False), ("genai-ngram", True)):
+            theirs = [r for r in runs if r["id"] == pid and r["mode"] == mode]
+            assert len(theirs) == 2 and all(r["tokens"] == fake_og.answer(ids, 9, ngram) and r["n_gen"] == 9
+                                            for r in theirs)
+    assert not [r for r in runs if r["mode"].startswith("genai") and r["turn"] > 0]  # the peer runs first turns
+    s = doc["summary"]
+    assert set(s["code+turn2"]) == {"none", "lookup"}
+    for c in ("qa", "code"):
+        assert s[c]["genai-ngram"]["identical_to_own_greedy"] == "0/1"  # the fake's n-gram changes a token
+        assert s[c]["genai"]["identical_to_own_greedy"] is None and "identical_to_none" not in s[c]["genai"]
+        assert s[c]["lookup"]["identical_to_none"] == "1/1"
+        first = next(r["tokens"] for r in runs if r["category"] == c and r["mode"] == "genai")
+        assert s[c]["genai"]["looping"] == f"{int(bench.loops(first))}/1"
+        vs = doc["versus_peer"][c]
+        assert vs["peer_best"] in ("genai", "genai-ngram") and set(vs) == {"peer_best", "none", "lookup"}
+        best = [r["decode_tok_s"] for r in runs if r["category"] == c and r["mode"] == vs["peer_best"]]
+        none = [r["decode_tok_s"] for r in runs if r["category"] == c and r["mode"] == "none"]
+        assert len(none) == len(best) == 2  # one prompt per category: the median of 2 repeats is their mean
+        assert vs["none"] == pytest.approx(sum(none) / sum(best), abs=1e-3)
+    md = out.with_suffix(".md").read_text()
+    assert "same as genai" in md and "| category | peer's best mode | none × peer best | lookup × peer best |" in md
+
+
+@pytest.mark.parametrize("flags,env,needle", [
+    (["--peer-model", "{tmp}"], {"PYTHONPATH": "{tmp}/broken"}, "cannot import onnxruntime_genai"),
+    (["--peer-model", "{tmp}"], {"PYTHONPATH": FAKE_GENAI, "FAKE_GENAI_FAIL_AFTER": "0"}, "fake failure"),  # warm-up
+    (["--peer-python", "/usr/bin/python3"], {}, "--peer-python needs --peer-model"),
+    (["--peer-model", "{tmp}", "--peer-python", "/bin/echo"], {}, "not edge/tools/peer_genai.py's protocol"),
+    (["--peer-model", "{tmp}/missing"], {"PYTHONPATH": FAKE_GENAI}, "cannot load"),
+    (["--peer-model", "{tmp}", "--peer-python", "/nonexistent/python"], {}, "cannot start /nonexistent/python"),
+    (["--modes", "none,genai"], {}, "genai modes need --peer-model"),
+    (["--peer-model", "{tmp}", "--temp", "0.7"], {"PYTHONPATH": FAKE_GENAI}, "greedy decoding only"),
+])
+def test_bench_peer_problems_are_one_line(model, tmp_path, flags, env, needle):
+    (tmp_path / "broken" / "onnxruntime_genai").mkdir(parents=True)  # a Python whose onnxruntime_genai is broken
+    (tmp_path / "broken" / "onnxruntime_genai" / "__init__.py").write_text("raise ImportError('no native library')")
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    env = {k: v.format(tmp=tmp_path) for k, v in env.items()}
+    r = run_module(["edge.tools.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "1",
+                    "--max-tokens", "4", "--out", str(tmp_path / "b.json"), "--quiet", *flags], env=env)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "b.json").exists()
+
+
+def test_bench_peer_failing_midway_keeps_what_ran(model, tmp_path):
+    """A peer that dies after its warm-up and two answers: the runs so far are summarized and written, exit 1."""
+    out = tmp_path / "b.json"
+    r = run_module(["edge.tools.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "2",
+                    "--max-tokens", "6", "--modes", "none", "--peer-model", str(tmp_path), "--out", str(out),
+                    "--quiet"],
+                   env={"PYTHONPATH": FAKE_GENAI, "FAKE_GENAI_FAIL_AFTER": "3"})
+    assert r.returncode == 1 and "the peer failed (onnxruntime-genai failed: fake failure)" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    doc = json.loads(out.read_text())
+    assert sum(r["mode"].startswith("genai") for r in doc["runs"]) == 2 and doc["summary"]["code"]["none"]
+
+
+def test_bench_peer_answers_that_end_count_their_end_token(model, tmp_path):
+    """onnxruntime-genai 0.18 leaves the end token out of its sequence; edgespec counts its own, so the peer's
+    n_gen (and tok/s) must count it too: an answer of 4 tokens that ended is 5 generated."""
+    out = tmp_path / "b.json"
+    r = run_module(["edge.tools.bench", str(_peer_prompts(tmp_path)), "--model", model, "--reps", "1",
+                    "--max-tokens", "9", "--modes", "none,genai", "--peer-model", str(tmp_path), "--out", str(out),
+                    "--quiet"],
+                   env={"PYTHONPATH": FAKE_GENAI, "FAKE_GENAI_EOS_AFTER": "4"})
+    assert r.returncode == 0, r.stderr
+    theirs = [r for r in json.loads(out.read_text())["runs"] if r["mode"] == "genai"]
+    assert theirs and all(len(r["tokens"]) == 4 and r["n_gen"] == 5 and
+                          r["decode_tok_s"] == pytest.approx(4 / r["decode_s"]) for r in theirs)
+
+
+def test_bench_peer_changes_nothing_about_our_own_runs(model, tmp_path):
+    """The peer joins the rotation but teaches edgespec's drafters nothing, and it must not stop a prompt from
+    teaching them: with 5 modes, prompts whose rotation starts with a peer mode used to pass on the state from
+    before the prompt. Every edgespec run drafts and accepts exactly as in the same bench without the peer."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"p{i}", "category": "qa", "turns": [t]}) + "\n" for i, t in enumerate(
+        ["the quick brown fox jumps over the lazy dog", "the quick brown fox jumps", "a lazy dog sleeps over the "
+         "quick brown fox", "the lazy dog and the quick brown fox", "quick brown fox, lazy dog"])))
+    counts = []
+    for with_peer in ([], ["--peer-model", str(tmp_path)]):
+        out = tmp_path / f"b{len(with_peer)}.json"
+        r = run_module(["edge.tools.bench", str(prompts), "--model", model, "--reps", "2", "--max-tokens", "24",
+                        "--modes", "none,recycling,hybrid", *with_peer, "--out", str(out), "--quiet"],
+                       env={"PYTHONPATH": FAKE_GENAI})
+        assert r.returncode == 0, r.stderr
+        counts.append({(r["id"], r["mode"], r["rep"]): (r["drafted"], r["accepted"], r["steps"])
+                       for r in json.loads(out.read_text())["runs"] if not r["mode"].startswith("genai")})
+    assert len(counts[0]) == 30 and counts[0] == counts[1]
+
+
+# ----------------------------------------------------------------------------- the protocol, scripted workers
+
+def _fake_python(tmp_path, body: str) -> str:
+    """A stand-in for the peer's Python: an executable that ignores its arguments and runs `body` (Python)."""
+    script = tmp_path / "fakepython"
+    script.write_text(f"#!{sys.executable}\nimport sys, json, time\n" + textwrap.dedent(body))
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.fixture
+def genai_peer(monkeypatch, tmp_path):
+    monkeypatch.setenv("PYTHONPATH", FAKE_GENAI)
+    monkeypatch.delenv("FAKE_GENAI_FAIL_AFTER", raising=False)
+    monkeypatch.delenv("FAKE_GENAI_EOS_AFTER", raising=False)
+    p = peer.Peer(sys.executable, str(tmp_path), 2)
+    watchdog = threading.Timer(60, p._p.kill)  # a request that never reaches the worker fails, not hangs
+    watchdog.start()
+    yield p
+    watchdog.cancel()
+    p.close()
+
+
+def test_peer_answers_each_mode_on_the_ids_sent(genai_peer):
+    assert genai_peer.version == "0.0-fake"
+    ids = [5, 6, 7]
+    greedy = genai_peer.run(ids, 6, "genai")
+    ngram = genai_peer.run(ids, 6, "genai-ngram")
+    assert greedy["tokens"] == fake_og.answer(ids, 6) and greedy["n_gen"] == 6
+    assert ngram["tokens"] == fake_og.answer(ids, 6, ngram=True) != greedy["tokens"]
+
+
+def test_peer_close_kills_a_worker_that_does_not_exit_and_closes_its_files(tmp_path, monkeypatch):
+    p = peer.Peer(_fake_python(tmp_path, 'print(json.dumps({"ready": "1"}), flush=True)\ntime.sleep(60)\n'), "m", 1)
+    proc, wait = p._p, p._p.wait
+
+    def impatient(timeout=None):
+        if timeout is not None:
+            raise subprocess.TimeoutExpired("fakepython", timeout)
+        return wait()
+
+    monkeypatch.setattr(proc, "wait", impatient)
+    p.close()
+    assert proc.returncode is not None and proc.stdout.closed and p._err.closed
+
+
+@pytest.mark.parametrize("body, needle", [
+    ('sys.stderr.write("x" * 2000 + " the last words")\nsys.exit(3)\n',
+     "the peer worker exited with code 3: xxx"),
+    ('print(json.dumps({"error": "cannot load it"}), flush=True)\n', "cannot load it"),
+    ('print("[1, 2]", flush=True)\n', "printed '[1, 2]', not edge/tools/peer_genai.py's protocol"),
+    ('print(json.dumps({"version": "1"}), flush=True)\n', "did not say it was ready"),
+])
+def test_peer_start_problems_are_one_peer_error(tmp_path, body, needle):
+    with pytest.raises(peer.PeerError) as e:
+        peer.Peer(_fake_python(tmp_path, body), "m", 1)
+    assert needle in str(e.value), e.value
+    if "exited" in needle:
+        assert str(e.value).endswith("the last words") and len(str(e.value)) < 900  # the tail of its stderr
+
+
+def test_peer_ready_with_any_version_is_ready(tmp_path):
+    p = peer.Peer(_fake_python(tmp_path, 'print(json.dumps({"ready": ""}), flush=True)\nsys.stdin.read()\n'), "m", 1)
+    assert p.version == ""
+    p.close()
+
+
+def test_peer_start_interrupted_leaves_no_worker(tmp_path, monkeypatch):
+    started = []
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(peer.subprocess, "Popen", lambda *a, **k: started.append(real_popen(*a, **k)) or started[-1])
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(peer.Peer, "_read", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        peer.Peer(_fake_python(tmp_path, "sys.stdin.read()\n"), "m", 1)
+    assert started and started[0].returncode is not None and started[0].stdout.closed
+
+
+def test_peer_worker_gone_or_failing_a_request_is_a_peer_error(tmp_path):
+    p = peer.Peer(_fake_python(tmp_path, 'print(json.dumps({"ready": "1"}), flush=True)\nsys.exit(5)\n'), "m", 1)
+    p._p.wait()
+    with pytest.raises(peer.PeerError, match="exited with code 5"):
+        p.run([1, 2], 4, "genai")  # writing to it breaks the pipe: reported as its exit
+    p.close()
+    body = 'print(json.dumps({"ready": "1"}), flush=True)\nsys.stdin.readline()\n' \
+           'print(json.dumps({"error": "onnxruntime-genai failed: boom"}), flush=True)\nsys.stdin.read()\n'
+    p = peer.Peer(_fake_python(tmp_path, body), "m", 1)
+    with pytest.raises(peer.PeerError, match="^onnxruntime-genai failed: boom$"):
+        p.run([1, 2], 4, "genai")
+    p.close()

@@ -1,0 +1,85 @@
+"""edge/runner.py's sessions: the load-time probes (the narrowest call that is bit-exact, exact trees), graphs with
+int8 activations, and 1-token calls padded to the narrowest exact width."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import edge
+from edge.kv import KVCache
+from edge.runner import probe_min_call
+
+
+class _WidthSession:
+    """probe_min_call's view of a session whose first row moves by `eps` when the call has a second row."""
+
+    def __init__(self, ulps):
+        self.cache, self.ulps = KVCache(1, 1, 1, 64), ulps
+
+    def forward(self, ids):
+        rows = np.tile(np.linspace(-4, 4, 16, dtype=np.float32), (len(ids), 1))
+        if len(ids) > 1:
+            for _ in range(self.ulps):
+                rows[0] = np.nextafter(rows[0], np.float32(np.inf))
+        return rows
+
+
+def test_min_call_probe_is_bit_exact():
+    """A 1-row call that differs from the 2-row call's first row by one float32 ulp (~2e-7, GroupQueryAttention's
+    single-query path) still makes greedy speculation lossy (an argmax tie flips): the probe compares bit for bit,
+    and pads."""
+    assert probe_min_call(_WidthSession(0)) == 1
+    s = _WidthSession(1)
+    assert probe_min_call(s) == 2 and s.cache.length == 0
+
+
+def test_sessions_start_with_an_empty_cache_and_exact_trees(tiny_dir):
+    """The load-time probes leave the target's and the drafter's caches empty, and an fp32 graph verifies trees
+    exactly (Token Recycling then drafts trees): the tree probe places the sibling and masks the slot as a tree call
+    does."""
+    e = edge.load(tiny_dir, drafter="model", context=256)
+    assert e.target.cache.length == 0 and e.target.tree_exact is True and not e.recycling.chains_only
+    from edge.runner import GraphSession
+    g = e.manifest.drafters[0]
+    fresh = GraphSession(str(e.model_dir / g.file), e.manifest, g, 128)
+    assert fresh.cache.length == 0
+
+
+def test_a_graph_with_int8_activations_never_verifies_trees(tiny_dir):
+    """Trees are never exact with int8 activations, even when the load-time probe happens to agree (here: the fp32
+    graph described as int4 with accuracy_level 4): the manifest's int8_activations decides, not the probe alone."""
+    import dataclasses
+
+    from edge.manifest import load_manifest
+    from edge.runner import GraphSession
+
+    m = load_manifest(tiny_dir)
+    g = dataclasses.replace(m.target, precision="int4", accuracy_level=4)
+    assert g.int8_activations
+    assert GraphSession(str(tiny_dir / m.target.file), m, g, 128).tree_exact is False
+    assert GraphSession(str(tiny_dir / m.target.file), m, m.target, 128).tree_exact is True
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_padded_single_row_calls_equal_unpadded_ones(tiny_dir, tree):
+    """min_call 2 (older graphs whose 1-row path sums differently) pads a 1-token call with a second row that only
+    sees itself; the real row must not see the pad row, and a tree call's own bias row must carry over. This export
+    is width independent, so the padded call must give the unpadded call's logits. Both kinds of call are checked: a
+    causal call alone would pass even with the real row's bias opened onto the pad (GroupQueryAttention applies its
+    own causal mask)."""
+    from edge.manifest import load_manifest
+    from edge.runner import GraphSession
+
+    m = load_manifest(tiny_dir)
+    s = GraphSession(str(tiny_dir / m.target.file), m, m.target, 128)
+    s.prefill([5, 9, 11, 13, 17, 19])
+    L = s.cache.length
+    kw = dict(positions=np.array([L]), bias=np.zeros((1, 1, 1, L + 1), np.float32)) if tree else {}
+    s.min_call = 1
+    plain = s.forward([23], **kw).copy()
+    s.min_call = 2
+    out = s.call([23], **kw)
+    padded = out.logits.copy()
+    assert padded.shape == plain.shape == (1, s.vocab)
+    np.testing.assert_allclose(padded, plain, atol=1e-4)
+    assert out.top_ids.shape[0] == 1 and out.top_ids[0, 0] == plain[0].argmax()
