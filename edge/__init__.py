@@ -13,7 +13,7 @@ from pathlib import Path
 from .engine import Chat, Chunk, ContextFull, Engine, EngineBusy, GenerationParams, GenerationResult, Stats
 from .errors import (BudgetError, CacheFull, CalibrationError, EngineError, ModelOutputError, PlanError, ProfileError,
                      ProviderUnavailable)
-from .files import unwritable_dir
+from .files import default_model_dir, home, unwritable_dir
 from .manifest import ModelDirError
 from .text import ChatTemplateError
 
@@ -22,9 +22,6 @@ __all__ = ["load", "Engine", "Chat", "Chunk", "GenerationParams", "GenerationRes
            # errors: every one an EngineError
            "EngineError", "EngineBusy", "ContextFull", "ModelDirError", "ChatTemplateError", "BudgetError", "PlanError",
            "ProfileError", "ProviderUnavailable", "CalibrationError", "CacheFull", "ModelOutputError"]
-
-DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
-
 
 def _version() -> str:
     try:
@@ -36,14 +33,6 @@ def _version() -> str:
 
 
 __version__ = _version()
-
-
-def home() -> Path:
-    return Path(os.environ.get("EDGESPEC_HOME") or Path.home() / ".cache" / "edgespec")
-
-
-def default_model_dir() -> Path:
-    return home() / "models" / DEFAULT_MODEL_NAME
 
 
 def ensure_default_model(progress: bool = True) -> Path:

@@ -1,10 +1,23 @@
-"""Can we write here? Asked before long work (an export, an hour of benchmark runs), so the answer is one line
-at the start instead of a traceback at the end."""
+"""Where edgespec keeps its files ($EDGESPEC_HOME), and can we write there? Asked before long work (an export, an
+hour of benchmark runs), so the answer is one line at the start instead of a traceback at the end."""
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+def home() -> Path:
+    """Where edgespec keeps exported models and calibrations: $EDGESPEC_HOME, else ~/.cache/edgespec."""
+    return Path(os.environ.get("EDGESPEC_HOME") or Path.home() / ".cache" / "edgespec")
+
+
+def default_model_dir() -> Path:
+    """Where the embedded default model is exported on first use."""
+    return home() / "models" / DEFAULT_MODEL_NAME
 
 
 def unwritable_dir(d: Path) -> str | None:

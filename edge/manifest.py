@@ -364,7 +364,7 @@ def reexport_command(model_dir: str | os.PathLike, source: str | None = None) ->
     """The command that rebuilds `model_dir`: the embedded default's own flag, else its recorded source."""
     model_dir = Path(model_dir)
     try:
-        from . import default_model_dir
+        from .files import default_model_dir
 
         if model_dir.resolve() == default_model_dir().resolve():
             return "edge-export --default --force"

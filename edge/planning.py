@@ -24,7 +24,7 @@ _NO_DRAFTERS = SimpleNamespace(drafters=(), target=SimpleNamespace(stats={}, lay
 def default_calibration_path(model_dir) -> Path:
     """Where `edge-profile --install` puts a calibration and edge.load looks for one: $EDGESPEC_HOME/calibration/
     <model dir name>.json (per model: latency curves and acceptance belong to one export on one host)."""
-    from . import home
+    from .files import home
 
     return home() / "calibration" / f"{Path(model_dir).name}.json"
 

@@ -13,7 +13,7 @@ import pytest
 import edge
 import edge.engine as engine_mod
 from edge.drafters import Draft
-from edge.engine import PROBE_EVERY
+from edge.draftlen import PROBE_EVERY
 from memory.acceptance import AcceptanceStats
 
 PROMPT = "def add(a, b):"
