@@ -809,7 +809,7 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
         why = "Interrupted" if interrupted else f"Stopped by an error ({failed})"
         md += f"\n\n{why}: {done} of {total} runs (prompt × mode × repeat) finished; the table shows those."
     if skipped:
-        md += (f"\n\nSkipped (a turn does not fit the context, in every mode): "
+        md += ("\n\nSkipped (a turn does not fit the context, in every mode): "
                + ", ".join(str(s["id"]) for s in skipped) + ".")
     try:
         write_atomic(out, json.dumps(doc))
