@@ -7,9 +7,9 @@ import re
 import sys
 import time
 
-from .args import (add_engine_args, chat_context_problem, messages, non_empty, non_negative_float, non_negative_int,
-                   positive_int, unit_fraction, was_interrupted)
-from .engine import DEFAULT_CONTEXT
+from .args import (add_engine_args, add_version, chat_context_problem, messages, non_empty, non_negative_float,
+                   non_negative_int, positive_int, unit_fraction, was_interrupted)
+from .engine import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS
 from .measure import peak_rss_mb
 
 HELP = "commands: /reset (forget the conversation)  /stats (last answer's counters)  /help  /quit"
@@ -31,7 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=non_negative_int, default=0,
                     help="sample among the k most likely tokens; 0 = off (default)")
     ap.add_argument("--seed", type=non_negative_int, default=None, help="random seed for sampling (default: random)")
-    ap.add_argument("--max-tokens", type=positive_int, default=512, help="maximum tokens per answer (default 512)")
+    ap.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
+                    help=f"maximum tokens per answer (default {DEFAULT_MAX_TOKENS}); an answer also ends when the "
+                         "context window is full")
     ap.add_argument("--stop", action="append", type=non_empty, default=[], metavar="TEXT",
                     help="stop string (repeatable)")
     ap.add_argument("--system", help="system prompt (for the REPL and --prompt); without it the model's chat "
@@ -48,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="with --prompt: print one JSON object (text, token ids, prefill ms, decode tokens/s, "
                          "drafted/accepted, mean accepted length, Python ms per step, peak RSS); with --plan: the "
                          "plan report as one JSON object")
+    add_version(ap)
     return ap
 
 

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..args import int_at_least, non_negative_int, positive_int, was_interrupted
+from ..args import add_version, int_at_least, non_negative_int, positive_int, was_interrupted
 from ..engine import ContextFull, EngineError
 from ..files import unwritable, write_atomic
 from ..measure import peak_rss_mb, reset_peak_rss
@@ -113,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                          "$EDGESPEC_HOME/reference/<folder name>-<hash of its path>.json)")
     ap.add_argument("--out", default="bench-out/edge-bench.json", help="JSON output (default bench-out/edge-bench.json)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_version(ap)
     return ap
 
 

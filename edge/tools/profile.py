@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from .bench import add_workload_args, read_workload
-from ..args import int_at_least, non_negative_int, positive_float, positive_int
+from ..args import add_version, int_at_least, non_negative_int, positive_float, positive_int
 from ..engine import DRAFTERS, MAX_DRAFT_LEN
 from ..measure import call_latency
 from ..runner import MAX_CALL
@@ -121,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
                          "edge.load / edge-chat / edge-serve use when no --calibration is given and the planner runs "
                          "on the host profile (--budget-mb without --device, or --device host)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_version(ap)
     return ap
 
 
