@@ -1,8 +1,12 @@
-"""edge-chat: chat with a local model in the terminal (streaming, multi-turn, speculative decoding)."""
+"""edge-chat: chat with a local model in the terminal (streaming, multi-turn, speculative decoding).
+
+On a terminal the REPL reads lines through readline (editing, arrow keys, history; long pasted lines arrive whole);
+with input piped in, each non-empty line (or multi-line block) is one turn and stdout carries only the answers."""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -12,7 +16,10 @@ from .args import (add_engine_args, add_version, chat_context_problem, messages,
 from .engine import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS
 from .measure import peak_rss_mb
 
-HELP = "commands: /reset (forget the conversation)  /stats (last answer's counters)  /help  /quit"
+HELP = ("commands: /reset (forget the conversation)  /stats (last answer's counters)  /help  "
+        '/quit\nmulti-line: a line starting with """ opens a message that a line ending with """ sends, as one turn')
+BLOCK = '"""'  # Ollama's multi-line quotes
+HISTORY_LINES = 1000  # kept in memory and in the history file
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -20,7 +27,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="edge-chat",
         description="Chat with a local model through edgespec. With no --model, the embedded SmolLM2-135M-Instruct "
                     "is exported into the cache on first run (about two minutes) and reused afterwards.",
-        epilog=HELP + "\nCtrl-C stops the current answer and keeps the conversation; Ctrl-D or /quit exits.",
+        epilog=HELP + "\nCtrl-C stops the current answer (or clears the line being typed) and keeps the conversation; "
+                      "Ctrl-D or /quit exits.\nWith input piped in, each non-empty line (or multi-line block) is a "
+                      "turn, and stdout carries only the answers\n(notes and counters go to stderr).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", metavar="DIR", help="exported model directory (edge-export); default: embedded model")
     add_engine_args(ap)
@@ -40,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                                      "template decides (SmolLM2's adds its own default)")
     ap.add_argument("--overflow", choices=["refuse", "drop_oldest"], default="refuse",
                     help="REPL history beyond the context: refuse the turn (default) or drop the oldest turns")
+    ap.add_argument("--no-history", action="store_true",
+                    help="keep the REPL's line history in memory only (default: also in $EDGESPEC_HOME/chat_history, "
+                         f"the last {HISTORY_LINES} lines, readable by you alone)")
     ap.add_argument("--plan", action="store_true",
                     help="print the memory plan (drafter, K / tree nodes, predicted peak MB for plain and "
                          "speculative decoding, both lower bounds) for --device/--budget-mb/--context (and "
@@ -89,65 +101,182 @@ def _stats_info(engine, last) -> dict:
     return info
 
 
+# ---------------------------------------------------------------------------------------------- the terminal
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False
+
+
+def _show(chunks) -> None:
+    """Streams an answer to stdout."""
+    for ch in chunks:
+        sys.stdout.write(ch.text)
+        sys.stdout.flush()
+
+
+def _history_path():
+    import edge
+
+    return edge.home() / "chat_history"
+
+
+class Lines:
+    """Where the REPL's lines come from. On a terminal: GNU readline (editing, arrow keys, a history kept in memory
+    and, unless `history` is None, in that file), which reads the terminal in raw mode, so a pasted line longer than
+    the tty's 4,095-byte canonical-mode line arrives whole. Piped in: plain lines, no prompt (stdout carries only
+    answers)."""
+
+    def __init__(self, interactive: bool, history=None):
+        self.interactive, self.history, self.readline = interactive, history, None
+        if not interactive:
+            return
+        try:
+            import readline
+        except ImportError:  # a Python built without it: plain input(), still interactive
+            return
+        self.readline = readline
+        readline.set_history_length(HISTORY_LINES)
+        if history is not None:
+            try:
+                readline.read_history_file(history)
+            except OSError:  # none yet, or unreadable: start empty
+                pass
+
+    def ask(self, prompt: str) -> str:
+        """The next line (EOFError at the end of input, KeyboardInterrupt on Ctrl-C)."""
+        if not self.interactive:
+            return input()
+        if _isatty(sys.stdout):
+            return input(prompt)
+        if not _isatty(sys.stderr):
+            return input()  # no terminal to show the prompt on
+        # Python hands input() to readline only when stdout is the terminal too; with answers redirected, point fd 1
+        # at the terminal (stderr) while the line is read, so the prompt and the editing show there
+        sys.stdout.flush()
+        saved = os.dup(1)
+        try:
+            os.dup2(2, 1)
+            return input(prompt)
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+    def close(self) -> None:
+        """Saves the history (best effort: a read-only home only loses the history)."""
+        if self.readline is None or self.history is None:
+            return
+        try:
+            self.history.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(self.history, os.O_WRONLY | os.O_CREAT, 0o600))  # what you typed is yours alone
+            os.chmod(self.history, 0o600)  # (a file an older run left)
+            self.readline.write_history_file(self.history)
+        except OSError as e:
+            print(f"edge-chat: note: history not saved to {self.history} ({e.strerror or e})", file=sys.stderr)
+
+
+def read_turn(ask) -> tuple[str, bool]:
+    """The next turn from `ask(prompt)`: (text, is_block). A line whose text starts with \"\"\" opens a block that
+    ends at a line ending with \"\"\" (Ollama's multi-line input); the block, without the quotes and the line breaks
+    right inside them, is one message, never a command. Blank lines are skipped. EOFError when input ends before a
+    turn; a block the input ends inside is returned as it was typed, with a note."""
+    line = ""
+    while not line.strip():
+        line = ask("> ")
+    first = line.lstrip()
+    if not first.startswith(BLOCK):
+        return line, False
+    parts, rest = [], first[len(BLOCK):]
+    while not rest.rstrip().endswith(BLOCK):
+        parts.append(rest)
+        try:
+            rest = ask("... ")
+        except EOFError:
+            print(f'edge-chat: note: input ended inside a {BLOCK} block; sending it as it is', file=sys.stderr)
+            return "\n".join(parts).strip("\n"), True
+    parts.append(rest.rstrip()[: -len(BLOCK)])
+    return "\n".join(parts).strip("\n"), True
+
+
+def _command(cmd: str, engine, chat, last) -> bool:
+    """Runs a /command; False when `cmd` is none (a question that starts with a slash)."""
+    if cmd == "/reset":
+        chat.reset()
+        print("(conversation cleared)", file=sys.stderr)
+    elif cmd == "/help":
+        print(HELP, file=sys.stderr)
+    elif cmd == "/stats":
+        print(json.dumps(_stats_info(engine, last), indent=2), file=sys.stderr)
+    elif re.fullmatch(r"/[A-Za-z]+(\s+\S+)?", cmd):  # a mistyped command is not sent to the model as a question
+        print(f"unknown command {cmd}; {HELP}", file=sys.stderr)
+    else:
+        return False
+    return True
+
+
+def _answer(engine, chat, a, line: str):
+    """One turn: the answer streamed to stdout, then the stats line (stderr).
+    The Stats of the turn, or None when it was refused (nothing generated)."""
+    stream = chat.send(line, **_params(a), drafter=a.drafter)
+    try:
+        _show(stream)
+        print()
+    except KeyboardInterrupt:
+        stream.close()  # the chat keeps what was shown; the KV cache is rolled back to it
+        print("\n(stopped)", file=sys.stderr)
+    except Exception as e:  # keep the session alive on a bad request
+        from . import ContextFull, EngineError
+
+        if isinstance(e, ContextFull):
+            most = engine.manifest.target.max_len
+            bigger = (f"restart edge-chat with a larger --context (this export holds up to {most})"
+                      if e.context < most else "this export holds no more")
+            if e.alone:  # nothing earlier to drop: only a shorter question or a larger window helps
+                print(f"error: this question is {e.n} tokens with the chat template but the context holds "
+                      f"{e.context}: shorten it, or {bigger}", file=sys.stderr)
+            elif chat.overflow != "drop_oldest":
+                print(f"error: the conversation is {e.n} tokens but the context holds {e.context}: /reset to start "
+                      "over, or restart edge-chat with --overflow drop_oldest", file=sys.stderr)
+            else:
+                print(f"error: {e}", file=sys.stderr)
+            return None
+        if not isinstance(e, EngineError):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return None  # nothing was generated: no stats line for this turn
+    print(_stats_line(engine.last_stats), file=sys.stderr)
+    return engine.last_stats
+
+
 def _repl(engine, a) -> int:
     chat = engine.chat(system=a.system, overflow=a.overflow)
-    print(f"edgespec · {engine.manifest.name} · drafter {engine.default_drafter} · {HELP}", file=sys.stderr)
+    interactive = _isatty(sys.stdin)
+    lines = Lines(interactive, None if a.no_history else _history_path())
+    if interactive:
+        print(f"edgespec · {engine.manifest.name} · drafter {engine.default_drafter}\n{HELP}", file=sys.stderr)
     last = None
-    while True:
-        try:
-            line = input("> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        cmd = line.strip()
-        if not cmd:
-            continue
-        if cmd in ("/quit", "/exit"):
-            return 0
-        if cmd == "/reset":
-            chat.reset()
-            print("(conversation cleared)", file=sys.stderr)
-            continue
-        if cmd == "/help":
-            print(HELP, file=sys.stderr)
-            continue
-        if cmd == "/stats":
-            print(json.dumps(_stats_info(engine, last), indent=2), file=sys.stderr)
-            continue
-        if re.fullmatch(r"/[A-Za-z]+", cmd):  # a mistyped command is not sent to the model as a question
-            print(f"unknown command {cmd}; {HELP}", file=sys.stderr)
-            continue
-        stream = chat.send(line, **_params(a), drafter=a.drafter)
-        try:
-            for ch in stream:
-                sys.stdout.write(ch.text)
-                sys.stdout.flush()
-            print()
-        except KeyboardInterrupt:
-            stream.close()  # the chat keeps what was shown; the KV cache is rolled back to it
-            print("\n(stopped)", file=sys.stderr)
-        except Exception as e:  # keep the session alive on a bad request
-            from . import ContextFull, EngineError
-
-            if isinstance(e, ContextFull):
-                most = engine.manifest.target.max_len
-                bigger = (f"restart edge-chat with a larger --context (this export holds up to {most})"
-                          if e.context < most else "this export holds no more")
-                if e.alone:  # nothing earlier to drop: only a shorter question or a larger window helps
-                    print(f"error: this question is {e.n} tokens with the chat template but the context holds "
-                          f"{e.context}: shorten it, or {bigger}", file=sys.stderr)
-                elif chat.overflow != "drop_oldest":
-                    print(f"error: the conversation is {e.n} tokens but the context holds {e.context}: /reset to "
-                          "start over, or restart edge-chat with --overflow drop_oldest", file=sys.stderr)
-                else:
-                    print(f"error: {e}", file=sys.stderr)
-                continue
-            if not isinstance(e, EngineError):
-                raise
-            print(f"error: {e}", file=sys.stderr)
-            continue  # nothing was generated: no stats line for this turn
-        last = engine.last_stats
-        print(_stats_line(last), file=sys.stderr)
+    try:
+        while True:
+            try:
+                line, block = read_turn(lines.ask)
+                cmd = "" if block else line.strip()
+                if cmd in ("/quit", "/exit"):
+                    return 0
+                if cmd.startswith("/") and _command(cmd, engine, chat, last):
+                    continue
+                if line.strip():
+                    last = _answer(engine, chat, a, line) or last
+            except EOFError:
+                if interactive:
+                    print(file=sys.stderr)
+                return 0
+            except KeyboardInterrupt:  # on a terminal, Ctrl-C outside an answer clears the line, as in a shell
+                if not interactive:
+                    raise
+                print("\n(Ctrl-D or /quit exits)", file=sys.stderr)
+    finally:
+        lines.close()
 
 
 def _print_plan(a) -> int:
@@ -196,8 +325,6 @@ def main(argv=None) -> int:
     try:
         return _main(a)
     except BrokenPipeError:  # stdout closed early (edge-chat ... | head): stop quietly, as a SIGPIPE'd tool would
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         return 141
     except (KeyboardInterrupt, ImportError) as e:
@@ -226,9 +353,13 @@ def _main(a) -> int:
             return _repl(engine, a)
         if a.json:
             return _answer_json(engine, a, load_s)
-        for ch in engine.stream(messages(a.prompt, a.system), **_params(a), drafter=a.drafter):
-            sys.stdout.write(ch.text)
-            sys.stdout.flush()
+        stream = engine.stream(messages(a.prompt, a.system), **_params(a), drafter=a.drafter)
+        try:
+            _show(stream)
+        except KeyboardInterrupt:
+            stream.close()  # the KV cache rolls back; what was shown stays shown, on a line of its own
+            print(flush=True)
+            raise
         print(flush=True)  # a closed pipe shows here, inside main(), not at interpreter exit
         print(_stats_line(engine.last_stats), file=sys.stderr)
         return 0

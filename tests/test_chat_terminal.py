@@ -1,0 +1,290 @@
+"""edge-chat in a terminal and in a pipe: readline input (long pasted lines whole), \"\"\" blocks, stdout carrying only
+answers."""
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from edge import chat as cli
+from edge.engine import Chunk, Stats
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(**kw) -> dict:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            "HF_HUB_OFFLINE": "1", **kw}
+
+
+def _asker(lines):
+    """An `ask(prompt)` that answers from `lines`, then raises EOFError; records the prompts it was asked with."""
+    feed, asked = iter(lines), []
+
+    def ask(prompt):
+        asked.append(prompt)
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+    ask.asked = asked
+    return ask
+
+
+# ----------------------------------------------------------------------------- \"\"\" blocks (read_turn)
+
+@pytest.mark.parametrize("lines,turn", [
+    (["hello there"], ("hello there", False)),
+    (["", "   ", "hi"], ("hi", False)),  # blank lines are no turn
+    (['"""', "line one", "line two", '"""'], ("line one\nline two", True)),
+    (['"""first', 'second"""'], ("first\nsecond", True)),  # text beside the quotes belongs to the message
+    (['"""one line"""'], ("one line", True)),
+    (['  """', "  def f():", "      pass", '"""'], ("  def f():\n      pass", True)),  # indentation is kept
+    (['"""', "/quit", '"""'], ("/quit", True)),  # a block is a message, never a command
+    (['"""', "", "a", "", '"""'], ("a", True)),  # the line breaks just inside the quotes are not the message's
+    (['"""\nx\ny\n"""'], ("x\ny", True)),  # a paste readline returned as one string with its line breaks
+    (['x"""'], ('x"""', False)),  # only a line that starts with the quotes opens a block
+])
+def test_read_turn_lines_and_blocks(lines, turn):
+    ask = _asker(lines)
+    assert cli.read_turn(ask) == turn
+    assert ask.asked[0] == "> " and ("... " in ask.asked) == (turn[1] and len(lines) > 1)  # continuation prompt
+
+
+def test_read_turn_at_the_end_of_input():
+    with pytest.raises(EOFError):
+        cli.read_turn(_asker(["", "  "]))
+
+
+def test_a_block_the_input_ends_inside_is_sent_with_a_note(capsys):
+    assert cli.read_turn(_asker(['"""', "a", "b"])) == ("a\nb", True)
+    assert 'input ended inside a """ block' in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the REPL with a stand-in engine
+
+class _Chat:
+    def __init__(self, engine, system, overflow):
+        self.engine, self.overflow, self.sends = engine, overflow, []
+
+    def reset(self):
+        pass
+
+    def send(self, text, **kw):
+        self.sends.append(text)
+        yield from self.engine.chunks
+
+
+class _Engine:
+    """What _repl uses of an Engine: its answers are `chunks`; the KV cache holds `length` of `context` slots."""
+
+    def __init__(self, chunks=(Chunk("ok", [7], 0, "stop"),), context=200, length=17, max_len=256):
+        self.manifest = SimpleNamespace(name="fake", target=SimpleNamespace(max_len=max_len))
+        self.default_drafter, self.plan, self.context, self.chunks = "lookup", None, context, list(chunks)
+        self.target = SimpleNamespace(cache=SimpleNamespace(length=length))
+        self.last_stats = Stats(prompt_tokens=30, reused_tokens=12, generated=9, steps=4, drafted=6, accepted=5,
+                                prefill_s=0.01234, decode_s=0.56789, drafter="lookup")
+        self.chats = []
+
+    def chat(self, system=None, overflow="refuse"):
+        self.chats.append(_Chat(self, system, overflow))
+        return self.chats[-1]
+
+
+def _repl(monkeypatch, engine, lines, *argv, tty=False):
+    ask = _asker(lines)
+    monkeypatch.setattr("builtins.input", lambda prompt="": ask(prompt))
+    if tty:  # stdin and stdout a terminal (readline imported; input() itself is the stand-in above)
+        monkeypatch.setattr(cli, "_isatty", lambda stream: True)
+    rc = cli._repl(engine, cli._parser().parse_args(["--no-history", *argv]))
+    return rc, ask.asked
+
+
+def test_piped_input_keeps_prompts_and_banner_off_stdout(monkeypatch, capsys):
+    """Piped in, stdout carries the answers alone (input("> ") wrote the prompt there), and a \"\"\" block is one
+    turn."""
+    e = _Engine()
+    rc, asked = _repl(monkeypatch, e, ["first question", '"""', "two", "lines", '"""', "/quit"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and out == "ok\nok\n", out
+    assert set(asked) == {""} and "edgespec ·" not in err  # no prompt text, no banner
+    assert e.chats[0].sends == ["first question", "two\nlines"]
+
+
+def test_interactive_prompt_and_banner(monkeypatch, capsys):
+    e = _Engine()
+    rc, asked = _repl(monkeypatch, e, ["hi", '"""', "a", '"""'], tty=True)
+    assert rc == 0 and asked == ["> ", "> ", "... ", "... ", "> "]
+    err = capsys.readouterr().err
+    assert "edgespec · fake" in err and '"""' in err  # the banner shows HELP, which tells of blocks
+
+
+def test_ctrl_c_at_the_prompt_clears_the_line_and_keeps_the_chat(monkeypatch, capsys):
+    """Ctrl-C while typing used to end edge-chat (and the conversation); now it drops the line being typed."""
+    e = _Engine()
+    calls = iter([KeyboardInterrupt, "still here", "/quit"])
+
+    def fake_input(prompt=""):
+        x = next(calls)
+        if x is KeyboardInterrupt:
+            raise KeyboardInterrupt
+        return x
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    monkeypatch.setattr(cli, "_isatty", lambda stream: True)
+    assert cli._repl(e, cli._parser().parse_args(["--no-history"])) == 0
+    assert e.chats[0].sends == ["still here"] and "Ctrl-D or /quit exits" in capsys.readouterr().err
+
+
+def test_help_tells_of_blocks():
+    assert '"""' in cli.HELP and '"""' in cli._parser().format_help()
+
+
+# ----------------------------------------------------------------------------- end to end on the tiny export
+
+def _chat(model, *flags, stdin, **kw):
+    return subprocess.run([sys.executable, "-m", "edge.chat", "--model", str(model), "--context", "256", *flags],
+                          input=stdin, capture_output=True, text=True, timeout=240, env=_env(**kw))
+
+
+def test_piped_session_stdout_is_the_answers_alone(tiny_dir):
+    flags = ["--max-tokens", "4", "--drafter", "none"]
+    r = _chat(tiny_dir, *flags, stdin='hello there\n"""\nsay\nsomething\n"""\n/stats\n/quit\n')
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("tok/s decode") == 2  # two turns: the block was one
+    assert "edgespec ·" not in r.stdout + r.stderr and "decode" not in r.stdout
+    one = _chat(tiny_dir, *flags, "--prompt", "hello there", stdin=None)  # greedy: the same first answer
+    assert one.returncode == 0 and r.stdout.startswith(one.stdout), (r.stdout, one.stdout)  # no "> " before it
+
+
+# ----------------------------------------------------------------------------- a real terminal (pty)
+
+def _pty_child(code: str, stdout=None, **env):
+    """Runs `code` in a Python whose stdin (and stderr, and stdout unless given) is a new pty it controls, as a
+    terminal's shell would; returns (process, master fd)."""
+    import fcntl
+    import pty
+    import signal
+    import termios
+
+    master, slave = pty.openpty()
+
+    def controlling_tty():
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a test run in the background inherits Ctrl-C ignored
+
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=slave, stdout=stdout or slave, stderr=slave,
+                         env=_env(TERM="xterm", **env), start_new_session=True, preexec_fn=controlling_tty,
+                         close_fds=True)
+    os.close(slave)
+    return p, master
+
+
+class _Screen:
+    def __init__(self, master):
+        self.master, self.seen, self.mark = master, b"", 0  # mark: how much had been seen when we last typed
+
+    def read(self, seconds: float) -> None:
+        end = time.time() + seconds
+        while time.time() < end:
+            r, _, _ = select.select([self.master], [], [], 0.05)
+            if r:
+                try:
+                    self.seen += os.read(self.master, 65536)
+                except OSError:  # the child closed the pty
+                    return
+
+    def wait_for(self, needle: bytes, start: int = 0, seconds: float = 120) -> int:
+        """Waits until `needle` shows at or after `start`; returns where it ends."""
+        end = time.time() + seconds
+        while self.seen.find(needle, start) < 0 and time.time() < end:
+            self.read(0.1)
+        assert self.seen.find(needle, start) >= 0, self.seen[-2000:]
+        return self.seen.find(needle, start) + len(needle)
+
+    def type(self, text: str) -> None:
+        self.mark = len(self.seen)
+        data = text.encode()
+        for i in range(0, len(data), 512):  # as a terminal delivers a paste: in pieces, echo drained meanwhile
+            os.write(self.master, data[i:i + 512])
+            self.read(0.01)
+
+    def answer(self, prompt: bytes, text: str, after: int | None = None) -> None:
+        """Types `text` once `prompt` shows (after `after`, default: after what was typed last). Waiting for each
+        prompt, as a person does: readline may lose what is typed ahead while it hands the terminal back between
+        lines."""
+        self.wait_for(prompt, self.mark if after is None else after)
+        self.type(text)
+
+
+LONG = " ".join(f"w{i % 10}" for i in range(3000))  # 8,999 characters: more than the tty's 4,095-byte line
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pty and the 4,095-byte canonical line are Linux's")
+@pytest.mark.parametrize("interactive", [True, False])
+def test_a_long_pasted_line_arrives_whole_through_readline(tmp_path, interactive):
+    """edge-chat's line reader on a terminal is readline, which reads the terminal in raw mode: a pasted line of
+    8,999 characters arrives whole. Plain reading (the piped path, here on a terminal) gets the kernel's canonical
+    line, cut at 4,095 bytes: what input() without readline did."""
+    out = tmp_path / "got.json"
+    p, master = _pty_child(f"import json; from edge.chat import Lines, read_turn; "
+                           f"open({str(out)!r}, 'w').write(json.dumps(read_turn(Lines({interactive}, None).ask)))")
+    screen = _Screen(master)
+    try:
+        if interactive:
+            screen.wait_for(b"> ")  # readline has the terminal (typed ahead, the text would meet canonical mode)
+        screen.type(LONG + "\r")
+        p.wait(60)
+    finally:
+        p.kill()
+        os.close(master)
+    line, block = json.loads(out.read_text())
+    assert block is False
+    if interactive:
+        assert line == LONG
+    else:
+        assert len(line.encode()) == 4095 and LONG.startswith(line)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pty")
+def test_terminal_session_with_answers_redirected(tiny_dir, tmp_path):
+    """edge-chat on a terminal with stdout redirected to a file (`edge-chat > answers.txt`): the prompt and the line
+    being edited show on the terminal, the file gets only the answers, a long pasted question arrives whole, Ctrl-C
+    drops the line being typed and the chat goes on, and the history file is written for its owner alone."""
+    home = tmp_path / "home"
+    answers = open(tmp_path / "answers.txt", "w")
+    code = (f"import sys; from edge.chat import main; sys.exit(main(['--model', {str(tiny_dir)!r}, '--context', "
+            "'256', '--max-tokens', '3', '--drafter', 'none']))")
+    p, master = _pty_child(code, stdout=answers, EDGESPEC_HOME=str(home))
+    screen = _Screen(master)
+    try:
+        screen.answer(b"> ", LONG + "\r")
+        screen.answer(b"> ", "half typed", after=screen.wait_for(b"error: this question is", screen.mark))
+        screen.wait_for(b"half typed", screen.mark)  # readline is reading (a Ctrl-C just before it does is not seen
+        screen.type("\x03")                          # until the next key: Python's readline loop)
+        screen.answer(b"> ", '"""\r', after=screen.wait_for(b"Ctrl-D or /quit exits", screen.mark))
+        for line in ("hello", "there", '"""'):
+            screen.answer(b"... ", line + "\r")
+        screen.answer(b"> ", "\x04", after=screen.wait_for(b"tok/s decode", screen.mark))
+        p.wait(60)
+        screen.read(0.2)
+    finally:
+        p.kill()
+        os.close(master)
+        answers.close()
+    seen = screen.seen.decode(errors="replace")
+    assert p.returncode == 0, seen[-2000:]
+    n = int(re.search(r"this question is (\d+) tokens", seen).group(1))
+    assert n > 3000, n  # every "wN" is a token or more: the whole line (4,095 bytes hold only 1,365 of them)
+    text = (tmp_path / "answers.txt").read_text()
+    assert "> " not in text and "error" not in text and text.endswith("\n") and text.strip(), text
+    hist = home / "chat_history"
+    assert hist.stat().st_mode & 0o777 == 0o600
+    saved = hist.read_text()
+    assert LONG in saved and "hello" in saved and "half typed" not in saved
