@@ -16,7 +16,7 @@ from .args import (add_engine_args, add_version, chat_context_problem, messages,
 from .engine import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS
 from .measure import peak_rss_mb
 
-HELP = ("commands: /reset (forget the conversation)  /stats (last answer's counters)  /help  "
+HELP = ("commands: /reset (forget the conversation)  /stats (last answer's counters; /stats json: as JSON)  /help  "
         '/quit\nmulti-line: a line starting with """ opens a message that a line ending with """ sends, as one turn')
 BLOCK = '"""'  # Ollama's multi-line quotes
 HISTORY_LINES = 1000  # kept in memory and in the history file
@@ -53,10 +53,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="keep the REPL's line history in memory only (default: also in $EDGESPEC_HOME/chat_history, "
                          f"the last {HISTORY_LINES} lines, readable by you alone)")
     ap.add_argument("--plan", action="store_true",
-                    help="print the memory plan (drafter, K / tree nodes, predicted peak MB for plain and "
+                    help="print a report of the memory plan (drafter, K / tree nodes, predicted peak MB for plain and "
                          "speculative decoding, both lower bounds) for --device/--budget-mb/--context (and "
                          "--drafter, --calibration, --temp > 0 for sampling) and exit without loading the model; exit "
-                         "status 0 when the plan fits the budget, 3 when it does not")
+                         "status 0 when the plan fits the budget, 3 when it does not; with --json as one JSON "
+                         "object")
     ap.add_argument("--prompt", help="answer this one prompt and exit (no REPL)")
     ap.add_argument("--json", action="store_true",
                     help="with --prompt: print one JSON object (text, token ids, prefill ms, decode tokens/s, "
@@ -90,6 +91,7 @@ def _stats_info(engine, last) -> dict:
     import psutil
 
     info = {"last_answer": last.to_dict() if last else {}, "context_tokens": engine.target.cache.length,
+            "context_window": engine.context,
             "memory_mb": {"measured_peak_rss": round(peak_rss_mb(), 1),
                           "measured_rss_now": round(psutil.Process().memory_info().rss / 2**20, 1)}}
     if engine.plan is not None:
@@ -99,6 +101,70 @@ def _stats_info(engine, last) -> dict:
         info["memory_mb"].update(budget=p.budget_mb, predicted_peak=round(p.peak_mb, 1),
                                  predicted_plain_peak=round(p.plain_peak_mb, 1))
     return info
+
+
+def _rows(rows) -> str:
+    """(label, value) pairs as aligned lines, one fact a line."""
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
+
+
+def _drafts_shape(drafter: str, tree: str, nodes: int) -> str:
+    if drafter == "none" or not nodes:
+        return "plain decoding (no drafts)"
+    return f"{drafter}, a best-first tree of {nodes} draft tokens a call" if tree == "best-first" else \
+        f"{drafter}, a chain of up to {nodes} draft tokens a call"
+
+
+def _stats_text(info: dict) -> str:
+    """/stats for a reader: the figures of `_stats_info`, rounded (tok/s, ms and MB to one decimal)."""
+    a, mem = info["last_answer"], info["memory_mb"]
+    if a:
+        new = a["prompt_tokens"] - a["reused_tokens"]
+        rows = [("answer", f"{a['generated']:,} tokens, drafter {a['drafter']}"),
+                ("decode", f"{a['decode_tok_s']:.1f} tok/s ({1000 * a['decode_s']:,.1f} ms in all)"),
+                ("prefill", f"{1000 * a['prefill_s']:,.1f} ms for {new:,} new prompt tokens ({a['reused_tokens']:,} "
+                            f"of {a['prompt_tokens']:,} reused from the cache)"),
+                ("drafts accepted", f"{a['accepted']:,} of {a['drafted']:,}"),
+                ("tokens per step", f"{a['mean_accepted']:.2f} over {a['steps']:,} target calls"),
+                ("Python per step", f"{a['python_ms_per_step']:.1f} ms")]
+    else:
+        rows = [("answer", "none yet")]
+    rows.append(("context", f"{info['context_tokens']:,} of {info['context_window']:,} tokens in use"))
+    rows.append(("memory", f"peak RSS {mem['measured_peak_rss']:,.1f} MB, now {mem['measured_rss_now']:,.1f} MB"))
+    p = info.get("plan")
+    if p:
+        rows.append(("plan", f"{_drafts_shape(p['drafter'], p['tree'], p['nodes'])}; predicted {p['speedup']:.2f}x "
+                             f"plain decoding; fits the budget up to {p['max_context']:,} tokens of context"))
+        rows.append(("predicted peak", f"{mem['predicted_peak']:,.1f} MB (plain decoding "
+                                       f"{mem['predicted_plain_peak']:,.1f} MB) of a {mem['budget']:,.1f} MB budget"))
+    return _rows(rows)
+
+
+def _plan_text(rep: dict, model: str, sampling: bool) -> str:
+    """`edge-chat --plan` for a reader: the report of `plan_report`, one fact a line, the verdict stated plainly."""
+    p, peak = rep.get("plan"), rep.get("predicted_peak_mb") or {}
+    spec = rep["min_budget_speculative_mb"]
+    rows = [("model", model),
+            ("device", rep["device"] + (" (simulated on the CPU)" if rep.get("simulated") else "")),
+            ("calibration", rep["calibration"] or "none (built-in priors)"),
+            ("answers", "sampled (--temp > 0)" if sampling else "greedy"),
+            ("context", f"{rep['context']:,} tokens"),
+            ("budget", f"{rep['budget_mb']:,.1f} MB"),
+            ("plain decoding needs", f"at least {rep['min_budget_plain_mb']:,.1f} MB"),
+            ("speculation needs", "(no speculative plan is predicted faster than plain decoding)" if spec is None
+             else f"at least {spec:,.1f} MB")]
+    if p:
+        rows += [("plan", _drafts_shape(p["drafter"], p["tree"], p["nodes"])),
+                 ("predicted speed", f"{p['tokens_per_s']:,.1f} tok/s, {p['speedup']:.2f}x plain decoding"),
+                 ("predicted peak", f"{peak['speculative']:,.1f} MB (plain decoding {peak['plain']:,.1f} MB)"),
+                 ("holds up to", f"{p['max_context']:,} tokens before it re-plans"),
+                 ("verdict", f"fits: {peak['speculative']:,.1f} MB of the {rep['budget_mb']:,.1f} MB budget")]
+    else:
+        rows.append(("verdict", "does not fit"))
+        if rep.get("error"):
+            rows.append(("why", rep["error"]))
+    return "memory plan (predicted from the manifest; the model was not loaded)\n" + _rows(rows)
 
 
 # ---------------------------------------------------------------------------------------------- the terminal
@@ -206,8 +272,9 @@ def _command(cmd: str, engine, chat, last) -> bool:
         print("(conversation cleared)", file=sys.stderr)
     elif cmd == "/help":
         print(HELP, file=sys.stderr)
-    elif cmd == "/stats":
-        print(json.dumps(_stats_info(engine, last), indent=2), file=sys.stderr)
+    elif cmd in ("/stats", "/stats json"):
+        info = _stats_info(engine, last)
+        print(json.dumps(info, indent=2) if cmd.endswith("json") else _stats_text(info), file=sys.stderr)
     elif re.fullmatch(r"/[A-Za-z]+(\s+\S+)?", cmd):  # a mistyped command is not sent to the model as a question
         print(f"unknown command {cmd}; {HELP}", file=sys.stderr)
     else:
@@ -305,11 +372,7 @@ def _print_plan(a) -> int:
         return 2
     rep = plan_report(m, profile, a.context or min(DEFAULT_CONTEXT, m.target.max_len), a.budget_mb,
                       drafter=a.drafter, sampling=a.temp > 0)  # the plan the engine would run for these flags
-    if a.json:
-        print(json.dumps(rep))
-    else:
-        for k, v in rep.items():
-            print(f"{k}: {v}")
+    print(json.dumps(rep) if a.json else _plan_text(rep, m.name, a.temp > 0))
     return 0 if rep["fits"] else 3
 
 

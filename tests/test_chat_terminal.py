@@ -1,5 +1,5 @@
 """edge-chat in a terminal and in a pipe: readline input (long pasted lines whole), \"\"\" blocks, stdout carrying only
-answers."""
+answers, the readable --plan and /stats."""
 import json
 import os
 import re
@@ -144,6 +144,49 @@ def test_ctrl_c_at_the_prompt_clears_the_line_and_keeps_the_chat(monkeypatch, ca
 
 def test_help_tells_of_blocks():
     assert '"""' in cli.HELP and '"""' in cli._parser().format_help()
+
+
+# ----------------------------------------------------------------------------- /stats
+
+def test_stats_is_readable_and_stats_json_is_json(monkeypatch, capsys):
+    e = _Engine()
+    _repl(monkeypatch, e, ["hi", "/stats", "/stats json", "/quit"])
+    err = capsys.readouterr().err
+    text = err[: err.index("{")]
+    assert "{" not in text and "0.0123" not in text  # rounded, not a dump of floats
+    assert re.search(r"decode\s+14\.1 tok/s \(567\.9 ms in all\)", text), text  # (9 - 1) / 0.56789 s
+    assert re.search(r"prefill\s+12\.3 ms for 18 new prompt tokens \(12 of 30 reused", text), text
+    assert re.search(r"drafts accepted\s+5 of 6", text) and re.search(r"context\s+17 of 200 tokens in use", text)
+    assert re.search(r"memory\s+peak RSS \d[\d,]*\.\d MB, now \d[\d,]*\.\d MB", text), text
+    info = json.loads(err[err.index("{"): err.rindex("}") + 1])
+    assert info["context_tokens"] == 17 and info["last_answer"]["generated"] == 9
+
+
+def test_stats_rows_are_aligned():
+    info = {"last_answer": Stats(generated=3, steps=2, decode_s=0.5, drafter="none").to_dict(), "context_tokens": 4,
+            "context_window": 64, "memory_mb": {"measured_peak_rss": 100.04, "measured_rss_now": 99.96}}
+    lines = cli._stats_text(info).splitlines()
+    starts = {len(m.group(1)) for m in (re.match(r"(  \S.*?\s{2,})\S", ln) for ln in lines)}
+    assert len(starts) == 1, lines  # every value starts in the same column
+    assert any("100.0 MB, now 100.0 MB" in ln for ln in lines)
+
+
+# ----------------------------------------------------------------------------- --plan
+
+def test_plan_is_a_readable_report_with_a_plain_verdict(tiny_dir, capsys):
+    assert cli.main(["--model", str(tiny_dir), "--plan", "--context", "128", "--budget-mb", "4096"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("memory plan") and "{" not in out and "None" not in out, out
+    rows = [re.match(r"  (\S.*?)\s{2,}(\S.*)", ln) for ln in lines[1:]]
+    assert all(rows), lines
+    assert len({m.start(2) for m in rows}) == 1  # the values line up
+    facts = {m.group(1): m.group(2) for m in rows}
+    assert facts["verdict"].startswith("fits") and facts["context"] == "128 tokens"
+    assert facts["budget"] == "4,096.0 MB" and re.fullmatch(r"at least [\d,]+\.\d MB", facts["plain decoding needs"])
+    assert cli.main(["--model", str(tiny_dir), "--plan", "--context", "128", "--budget-mb", "1"]) == 3
+    facts = dict(re.match(r"  (\S.*?)\s{2,}(\S.*)", ln).groups() for ln in capsys.readouterr().out.splitlines()[1:])
+    assert facts["verdict"] == "does not fit" and "raise --budget-mb" in facts["why"]
 
 
 # ----------------------------------------------------------------------------- end to end on the tiny export

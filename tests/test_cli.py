@@ -40,7 +40,7 @@ def test_chat_prompt_json(model):
 
 def test_chat_repl_commands(model):
     r = _run(["edge.chat", "--model", model, "--max-tokens", "8", "--context", "256"],
-             stdin="hello there\n/stats\n/reset\nagain\n/quit\n")
+             stdin="hello there\n/stats json\n/reset\nagain\n/quit\n")
     assert r.returncode == 0, r.stderr
     assert "conversation cleared" in r.stderr and '"generated"' in r.stderr
     assert r.stderr.count("tok/s decode") == 2  # one stats line per answer

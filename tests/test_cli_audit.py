@@ -233,7 +233,7 @@ def test_repl_passes_system_prompt_drafter_and_overflow(monkeypatch):
 def test_repl_stats_reports_the_cache_length_as_context_tokens(monkeypatch, capsys):
     """cli.py:173 /stats "context_tokens" from the wrong field (engine.context instead of the KV cache length)."""
     e = _Engine()
-    _repl(monkeypatch, e, ["hi", "/stats", "/quit"])
+    _repl(monkeypatch, e, ["hi", "/stats json", "/quit"])
     err = capsys.readouterr().err
     info = json.loads(err[err.index("{"): err.rindex("}") + 1])
     assert info["context_tokens"] == 17 and info["last_answer"]["generated"] == 2
