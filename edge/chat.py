@@ -20,6 +20,7 @@ HELP = ("commands: /reset (forget the conversation)  /stats (last answer's count
         '/quit\nmulti-line: a line starting with """ opens a message that a line ending with """ sends, as one turn')
 BLOCK = '"""'  # Ollama's multi-line quotes
 HISTORY_LINES = 1000  # kept in memory and in the history file
+DRAFT_COLOR, RESET_COLOR = "\033[36m", "\033[0m"  # cyan for accepted draft tokens, as in llama.cpp's example
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -49,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
                                      "template decides (SmolLM2's adds its own default)")
     ap.add_argument("--overflow", choices=["refuse", "drop_oldest"], default="refuse",
                     help="REPL history beyond the context: refuse the turn (default) or drop the oldest turns")
+    ap.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                    help="show the text of accepted draft tokens in cyan (default auto: when stdout is a terminal, "
+                         "TERM is not dumb and NO_COLOR is unset or empty)")
     ap.add_argument("--no-history", action="store_true",
                     help="keep the REPL's line history in memory only (default: also in $EDGESPEC_HOME/chat_history, "
                          f"the last {HISTORY_LINES} lines, readable by you alone)")
@@ -175,11 +179,85 @@ def _isatty(stream) -> bool:
         return False
 
 
-def _show(chunks) -> None:
-    """Streams an answer to stdout."""
+def _use_color(choice: str) -> bool:
+    if choice != "auto":
+        return choice == "always"
+    return _isatty(sys.stdout) and os.environ.get("TERM") != "dumb" and not os.environ.get("NO_COLOR")
+
+
+class DraftColors:
+    """Writes an answer's text with what accepted draft tokens produced in colour. A chunk's text is not simply its
+    tokens' text (the engine decodes a step's tokens together and holds text back while a character or a stop string
+    may be incomplete), so the same tokens are decoded again here, the drafted ones (the first `Chunk.drafted` of a
+    chunk's ids; the rest are the target's own) apart from the target's, and the chunk's characters are coloured by
+    the part they came from. Should the two texts ever differ (a tokenizer whose text depends on where decoding
+    splits), it falls back to colouring, by chunk, the text of chunks that had accepted drafts."""
+
+    def __init__(self, codec, eos):
+        from .text import StreamDecoder
+
+        self.dec, self.eos = StreamDecoder(codec), set(eos)
+        self.pending: list[list] = []  # [text, drafted] decoded here and not yet matched with the engine's text
+        self.exact = True
+
+    def paint(self, ch) -> str:
+        for ids, drafted in ((ch.token_ids[:ch.drafted], True), (ch.token_ids[ch.drafted:], False)):
+            self._queue(self.dec.push([t for t in ids if t not in self.eos]), drafted)
+        if ch.finish_reason is not None:
+            self._queue(self.dec.flush(), bool(self.pending) and self.pending[-1][1])
+        if not self.exact:
+            return _colored(ch.text, ch.drafted > 0)
+        out, text, i = [], ch.text, 0
+        while i < len(text):
+            if not self.pending or not text.startswith(self.pending[0][0][: len(text) - i], i):
+                self.exact = False  # the texts parted: colour by chunk from here on
+                return "".join(out) + _colored(text[i:], ch.drafted > 0)
+            seg, drafted = self.pending[0]
+            n = min(len(seg), len(text) - i)
+            out.append(_colored(text[i:i + n], drafted))
+            if n == len(seg):
+                self.pending.pop(0)
+            else:
+                self.pending[0][0] = seg[n:]
+            i += n
+        return "".join(out)
+
+    def _queue(self, text: str, drafted: bool) -> None:
+        if text:
+            self.pending.append([text, drafted])
+
+
+def _colored(text: str, drafted: bool) -> str:
+    return f"{DRAFT_COLOR}{text}{RESET_COLOR}" if drafted and text else text
+
+
+def _show(chunks, painter=None) -> tuple[str | None, int]:
+    """Streams an answer to stdout; (its finish reason, its token count)."""
+    finish, n = None, 0
     for ch in chunks:
-        sys.stdout.write(ch.text)
+        sys.stdout.write(painter.paint(ch) if painter else ch.text)
         sys.stdout.flush()
+        finish, n = ch.finish_reason or finish, n + len(ch.token_ids)
+    return finish, n
+
+
+def _context_cut(engine, finish: str | None, n: int, max_tokens: int) -> bool:
+    """The answer ended because the context window was full: "length" before max_tokens, or with the cache full."""
+    return finish == "length" and (n < max_tokens or engine.target.cache.length + 2 > engine.context)
+
+
+def _context_note(engine, n: int, repl: bool, overflow: str = "refuse") -> str:
+    most = engine.manifest.target.max_len
+    larger = (f"{'restart edge-chat' if repl else 'run again'} with a larger --context (this export holds up to "
+              f"{most:,})" if engine.context < most else
+              "re-export with a larger --max-len (this export holds no more)")
+    if not repl:
+        return (f"note: the context window ({engine.context:,} tokens) is full: it cut the answer at {n:,} tokens; "
+                f"for more room shorten the prompt or {larger}")
+    ways = ["/reset to start over"] + (["restart with --overflow drop_oldest to drop the oldest turns"]
+                                       if overflow != "drop_oldest" else []) + [larger]
+    return (f"note: the context window ({engine.context:,} tokens) is full: it cut this answer at {n:,} tokens; for "
+            f"more room: {'; '.join(ways)}")
 
 
 def _history_path():
@@ -282,16 +360,17 @@ def _command(cmd: str, engine, chat, last) -> bool:
     return True
 
 
-def _answer(engine, chat, a, line: str):
-    """One turn: the answer streamed to stdout, then the stats line (stderr).
+def _answer(engine, chat, a, line: str, color: bool):
+    """One turn: the answer streamed to stdout, then a note if the context cut it and the stats line (stderr).
     The Stats of the turn, or None when it was refused (nothing generated)."""
     stream = chat.send(line, **_params(a), drafter=a.drafter)
     try:
-        _show(stream)
+        finish, n = _show(stream, DraftColors(engine.codec, engine.eos) if color else None)
         print()
     except KeyboardInterrupt:
         stream.close()  # the chat keeps what was shown; the KV cache is rolled back to it
         print("\n(stopped)", file=sys.stderr)
+        finish = n = None
     except Exception as e:  # keep the session alive on a bad request
         from . import ContextFull, EngineError
 
@@ -312,6 +391,8 @@ def _answer(engine, chat, a, line: str):
             raise
         print(f"error: {e}", file=sys.stderr)
         return None  # nothing was generated: no stats line for this turn
+    if n is not None and _context_cut(engine, finish, n, a.max_tokens):
+        print(_context_note(engine, n, True, chat.overflow), file=sys.stderr)
     print(_stats_line(engine.last_stats), file=sys.stderr)
     return engine.last_stats
 
@@ -319,9 +400,12 @@ def _answer(engine, chat, a, line: str):
 def _repl(engine, a) -> int:
     chat = engine.chat(system=a.system, overflow=a.overflow)
     interactive = _isatty(sys.stdin)
+    color = _use_color(a.color)
     lines = Lines(interactive, None if a.no_history else _history_path())
     if interactive:
-        print(f"edgespec · {engine.manifest.name} · drafter {engine.default_drafter}\n{HELP}", file=sys.stderr)
+        legend = f" · {DRAFT_COLOR}accepted drafts in cyan{RESET_COLOR}" if color else ""
+        print(f"edgespec · {engine.manifest.name} · drafter {engine.default_drafter}{legend}\n{HELP}",
+              file=sys.stderr)
     last = None
     try:
         while True:
@@ -333,7 +417,7 @@ def _repl(engine, a) -> int:
                 if cmd.startswith("/") and _command(cmd, engine, chat, last):
                     continue
                 if line.strip():
-                    last = _answer(engine, chat, a, line) or last
+                    last = _answer(engine, chat, a, line, color) or last
             except EOFError:
                 if interactive:
                     print(file=sys.stderr)
@@ -418,12 +502,14 @@ def _main(a) -> int:
             return _answer_json(engine, a, load_s)
         stream = engine.stream(messages(a.prompt, a.system), **_params(a), drafter=a.drafter)
         try:
-            _show(stream)
+            finish, n = _show(stream, DraftColors(engine.codec, engine.eos) if _use_color(a.color) else None)
         except KeyboardInterrupt:
             stream.close()  # the KV cache rolls back; what was shown stays shown, on a line of its own
             print(flush=True)
             raise
         print(flush=True)  # a closed pipe shows here, inside main(), not at interpreter exit
+        if _context_cut(engine, finish, n, a.max_tokens):
+            print(_context_note(engine, n, False), file=sys.stderr)
         print(_stats_line(engine.last_stats), file=sys.stderr)
         return 0
     except (EngineError, ValueError) as e:  # ModelDirError is an EngineError

@@ -1,5 +1,5 @@
 """edge-chat in a terminal and in a pipe: readline input (long pasted lines whole), \"\"\" blocks, stdout carrying only
-answers, the readable --plan and /stats."""
+answers, accepted drafts in colour, the readable --plan and /stats, and the note when the context cuts an answer."""
 import json
 import os
 import re
@@ -16,6 +16,7 @@ from edge import chat as cli
 from edge.engine import Chunk, Stats
 
 ROOT = Path(__file__).resolve().parents[1]
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _env(**kw) -> dict:
@@ -102,7 +103,7 @@ def _repl(monkeypatch, engine, lines, *argv, tty=False):
     monkeypatch.setattr("builtins.input", lambda prompt="": ask(prompt))
     if tty:  # stdin and stdout a terminal (readline imported; input() itself is the stand-in above)
         monkeypatch.setattr(cli, "_isatty", lambda stream: True)
-    rc = cli._repl(engine, cli._parser().parse_args(["--no-history", *argv]))
+    rc = cli._repl(engine, cli._parser().parse_args(["--no-history", "--color", "never", *argv]))
     return rc, ask.asked
 
 
@@ -138,7 +139,7 @@ def test_ctrl_c_at_the_prompt_clears_the_line_and_keeps_the_chat(monkeypatch, ca
 
     monkeypatch.setattr("builtins.input", fake_input)
     monkeypatch.setattr(cli, "_isatty", lambda stream: True)
-    assert cli._repl(e, cli._parser().parse_args(["--no-history"])) == 0
+    assert cli._repl(e, cli._parser().parse_args(["--no-history", "--color", "never"])) == 0
     assert e.chats[0].sends == ["still here"] and "Ctrl-D or /quit exits" in capsys.readouterr().err
 
 
@@ -169,6 +170,95 @@ def test_stats_rows_are_aligned():
     starts = {len(m.group(1)) for m in (re.match(r"(  \S.*?\s{2,})\S", ln) for ln in lines)}
     assert len(starts) == 1, lines  # every value starts in the same column
     assert any("100.0 MB, now 100.0 MB" in ln for ln in lines)
+
+
+# ----------------------------------------------------------------------------- the context cut an answer
+
+def test_an_answer_the_context_cut_says_so_and_how_to_get_room(monkeypatch, capsys):
+    """finish_reason "length" before --max-tokens: the window, not the limit, ended the answer."""
+    e = _Engine([Chunk("cut", [7, 8], 0, "length")])
+    _repl(monkeypatch, e, ["hi", "/quit"], "--max-tokens", "50")
+    err = capsys.readouterr().err
+    note = next(ln for ln in err.splitlines() if ln.startswith("note:"))
+    assert "context window (200 tokens) is full" in note and "at 2 tokens" in note
+    assert "/reset" in note and "--overflow drop_oldest" in note and "--context" in note and "256" in note
+
+
+def test_the_note_leaves_out_what_is_already_on_and_what_cannot_help(monkeypatch, capsys):
+    e = _Engine([Chunk("cut", [7, 8], 0, "length")], context=256, max_len=256)
+    _repl(monkeypatch, e, ["hi", "/quit"], "--max-tokens", "50", "--overflow", "drop_oldest")
+    note = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note:"))
+    assert "--overflow" not in note and "larger --context" not in note and "holds no more" in note, note
+
+
+@pytest.mark.parametrize("chunks,length,max_tokens,cut", [
+    ([Chunk("ab", [7, 8], 0, "length")], 17, 2, False),  # --max-tokens ended it
+    ([Chunk("ab", [7, 8], 0, "length")], 199, 2, True),  # ... with the cache full as well
+    ([Chunk("ab", [7, 8], 0, "stop")], 17, 50, False),  # the model ended it
+    ([Chunk("a", [7], 0), Chunk("b", [8], 1, "length")], 17, 50, True),
+])
+def test_context_cut_is_told_apart_from_the_token_limit(monkeypatch, capsys, chunks, length, max_tokens, cut):
+    _repl(monkeypatch, _Engine(chunks, length=length), ["hi", "/quit"], "--max-tokens", str(max_tokens))
+    assert ("note: the context window" in capsys.readouterr().err) is cut
+
+
+# ----------------------------------------------------------------------------- colour
+
+class _Codec:
+    """A byte-level codec whose token i is the bytes of WORDS[i]."""
+    byte_level = True
+    WORDS = ["", " the", " cat", " sat", " on", " mat", "é".encode()[:1], "é".encode()[1:], "!"]
+
+    def token_bytes(self, i):
+        w = self.WORDS[i]
+        return w if isinstance(w, bytes) else w.encode()
+
+
+def _paint(chunks, eos=()):
+    p = cli.DraftColors(_Codec(), eos)
+    return "".join(p.paint(c) for c in chunks)
+
+
+def _colored_text(painted: str) -> str:
+    return "".join(re.findall(re.escape(cli.DRAFT_COLOR) + r"(.*?)" + re.escape(cli.RESET_COLOR), painted, re.S))
+
+
+def test_accepted_drafts_are_coloured_token_by_token():
+    # step 1: the target's " the"; step 2: drafts " cat sat" accepted, the target's " on"; step 3: EOS (id 0)
+    chunks = [Chunk(" the", [1], 0), Chunk(" cat sat on", [2, 3, 4], 2), Chunk("", [0], 0, "stop")]
+    painted = _paint(chunks, eos=(0,))
+    assert ANSI.sub("", painted) == " the cat sat on"
+    assert _colored_text(painted) == " cat sat"
+
+
+def test_colour_follows_the_text_when_the_engine_holds_text_back():
+    """With a stop string the engine holds the last characters back and sends them with a later chunk; a character
+    split over tokens comes whole. The colour still marks exactly the drafted tokens' characters."""
+    chunks = [Chunk(" the ca", [1, 2], 1), Chunk("t sat", [3], 0), Chunk("", [6], 1), Chunk("é on", [7, 4], 1),
+              Chunk("!", [8], 0, "stop")]
+    painted = _paint(chunks)
+    assert ANSI.sub("", painted) == "".join(c.text for c in chunks) == " the cat saté on!"
+    assert _colored_text(painted) == " the" + "é"  # id 6 (drafted) starts the character id 7 (drafted) ends
+
+
+def test_colour_falls_back_to_whole_chunks_when_the_texts_part():
+    chunks = [Chunk(" the", [1], 0), Chunk("XYZ", [2, 3], 1), Chunk(" on", [4], 0, "stop")]
+    painted = _paint(chunks)
+    assert ANSI.sub("", painted) == " theXYZ on"
+    assert _colored_text(painted) == "XYZ"  # the chunk that had a draft, whole
+
+
+@pytest.mark.parametrize("choice,tty,env,on", [
+    ("always", False, {}, True), ("never", True, {}, False), ("auto", True, {}, True), ("auto", False, {}, False),
+    ("auto", True, {"NO_COLOR": "1"}, False), ("auto", True, {"TERM": "dumb"}, False),
+])
+def test_color_choice(monkeypatch, choice, tty, env, on):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(cli, "_isatty", lambda stream: tty)
+    assert cli._use_color(choice) is on
 
 
 # ----------------------------------------------------------------------------- --plan
@@ -204,6 +294,26 @@ def test_piped_session_stdout_is_the_answers_alone(tiny_dir):
     assert "edgespec ·" not in r.stdout + r.stderr and "decode" not in r.stdout
     one = _chat(tiny_dir, *flags, "--prompt", "hello there", stdin=None)  # greedy: the same first answer
     assert one.returncode == 0 and r.stdout.startswith(one.stdout), (r.stdout, one.stdout)  # no "> " before it
+
+
+def test_colour_changes_no_text(tiny_dir):
+    """--color always wraps accepted drafts in colour codes and nothing else: without them it is the plain answer;
+    auto with stdout piped adds none."""
+    q = "the quick brown fox jumps over the lazy dog the quick brown fox"
+    flags = ["--max-tokens", "24", "--drafter", "lookup", "--prompt", q]
+    plain, colored = _chat(tiny_dir, *flags, stdin=None), _chat(tiny_dir, *flags, "--color", "always", stdin=None)
+    auto = _chat(tiny_dir, *flags, stdin=None, TERM="xterm")
+    assert plain.returncode == colored.returncode == auto.returncode == 0, colored.stderr
+    assert ANSI.sub("", colored.stdout) == plain.stdout == auto.stdout and "\x1b" not in auto.stdout
+    accepted = int(re.search(r"drafter lookup: (\d+)/", colored.stderr).group(1))
+    assert (cli.DRAFT_COLOR in colored.stdout) is (accepted > 0), colored.stderr
+
+
+def test_prompt_cut_by_the_context_says_so(tiny_dir):
+    r = _chat(tiny_dir, "--max-tokens", "500", "--drafter", "none", "--prompt", "hi", stdin=None)
+    assert r.returncode == 0, r.stderr
+    note = next(ln for ln in r.stderr.splitlines() if ln.startswith("note:"))
+    assert "context window (256 tokens) is full" in note and "holds no more" in note, note
 
 
 # ----------------------------------------------------------------------------- a real terminal (pty)
