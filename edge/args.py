@@ -1,5 +1,5 @@
 """What the command-line tools share: argparse types that refuse bad values before a model loads, the engine flags
-edge-chat and edge-serve both take, the start-up check of a chat's context, and Ctrl-C detection."""
+edge-chat and edge-serve both take, --version, the start-up check of a chat's context, and Ctrl-C detection."""
 from __future__ import annotations
 
 import argparse
@@ -103,6 +103,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--simulate", action="store_true",
                        help="run a device profile whose execution provider is not installed on the CPU (same budget "
                             "and shape limits)")
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """--version: prints the program's name and edgespec's version (`edge-chat 0.1.0`) and exits 0."""
+    from . import __version__  # (edge/__init__ is complete by the time a CLI builds its parser)
+
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the program's name and edgespec's version and exit")
 
 
 def was_interrupted(e: BaseException) -> bool:

@@ -9,7 +9,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from edge.args import non_negative_int, positive_int
+from edge.args import add_version, non_negative_int, positive_int
 from edge.manifest import ModelDirError, load_manifest
 
 from .checkpoint import CheckpointError, default_gguf_path
@@ -147,6 +147,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-parity", action="store_true", help="skip the parity report against the fp32 reference")
     ap.add_argument("--threads", type=positive_int, default=2, help="threads for export-time measurements (default 2)")
     ap.add_argument("--json", action="store_true", help="print the manifest summary as JSON")
+    add_version(ap)
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return ap
 

@@ -29,7 +29,7 @@ def test_chat_prompt_json(model):
 
 def test_chat_repl_commands(model):
     r = run_module(["edge.chat", "--model", model, "--max-tokens", "8", "--context", "256"],
-                   stdin="hello there\n/stats\n/reset\nagain\n/quit\n")
+                   stdin="hello there\n/stats json\n/reset\nagain\n/quit\n")
     assert r.returncode == 0, r.stderr
     assert "conversation cleared" in r.stderr and '"generated"' in r.stderr
     assert r.stderr.count("tok/s decode") == 2  # one stats line per answer
@@ -289,7 +289,7 @@ def test_repl_passes_system_prompt_drafter_and_overflow(monkeypatch):
 def test_repl_stats_reports_the_cache_length_as_context_tokens(monkeypatch, capsys):
     """/stats reports context_tokens as the KV cache's length, not the engine's context window."""
     e = _Engine()
-    _repl(monkeypatch, e, ["hi", "/stats", "/quit"])
+    _repl(monkeypatch, e, ["hi", "/stats json", "/quit"])
     err = capsys.readouterr().err
     info = json.loads(err[err.index("{"): err.rindex("}") + 1])
     assert info["context_tokens"] == 17 and info["last_answer"]["generated"] == 2

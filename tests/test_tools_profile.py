@@ -686,7 +686,7 @@ def test_plan_report_refuses_a_context_beyond_the_export_and_plans_its_maximum(t
 
 def test_stats_shows_plan_predicted_and_measured_memory(tiny_dir):
     r = run_module(["edge.chat", "--model", str(tiny_dir), "--max-tokens", "6", "--context", "256",
-                    "--budget-mb", "4096"], stdin="hello there\n/stats\n/quit\n")
+                    "--budget-mb", "4096"], stdin="hello there\n/stats json\n/quit\n")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stderr[r.stderr.index("{"): r.stderr.rindex("}") + 1])
     mem = info["memory_mb"]

@@ -291,7 +291,7 @@ def test_budget_chat_reads_each_turns_stats_and_a_peak_at_the_budget_is_within_i
     items = [{"id": "a", "turns": ["hello  there"]}, {"id": "b", "turns": ["bye"]}]
     d = profile.budget_chat(tiny_dir, items, 3, 4096, 8, 100.0, None, 1)
     cap = load_manifest(tiny_dir, verify="none").target.max_len
-    assert calls[0] == (100.0, cap, "hello there\n/stats\nbye\n/stats\nhello there\n/stats\n/quit\n")
+    assert calls[0] == (100.0, cap, "hello there\n/stats json\nbye\n/stats json\nhello there\n/stats json\n/quit\n")
     assert d["peak_rss_mb"] == 100.0 and d["within_budget"] is True  # at the budget is within it
     assert d["nodes_by_turn"] == [4, 2] and d["turns"] == 2 and d["context"] == cap
     assert calls[1][0] == d["below_plain"]["budget_mb"] and d["below_plain"]["returncode"] == 2

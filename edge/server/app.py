@@ -34,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..engine import DRAFTERS, MAX_DRAFT_LEN, BadMessage, EngineError, normalize_messages
+from ..engine import DEFAULT_MAX_TOKENS, DRAFTERS, MAX_DRAFT_LEN, BadMessage, EngineError, normalize_messages
 from ..manifest import ModelDirError
 
 log = logging.getLogger("edge.server")
@@ -700,7 +700,7 @@ class _HostGuard:
         await self.app(scope, receive, send)
 
 
-def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_tokens: int = 1024,
+def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_tokens: int = DEFAULT_MAX_TOKENS,
                allow_origins=(), allow_hosts=(), bound_host: str | None = None, max_body: int = MAX_BODY,
                body_timeout: float | None = BODY_TIMEOUT_S):
     """The ASGI app around one loaded Engine (the caller keeps ownership of the engine). `allow_origins`: web
@@ -1008,7 +1008,7 @@ def _load_params() -> set[str]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..args import add_engine_args
+    from ..args import add_engine_args, add_version
 
     ap = argparse.ArgumentParser(
         prog="edge-serve",
@@ -1023,8 +1023,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8080, help="TCP port (default 8080)")
     ap.add_argument("--max-queue", type=int, default=8,
                     help="requests that may wait while one generates; more get HTTP 503 (default 8)")
-    ap.add_argument("--max-tokens", type=int, default=1024,
-                    help="answer length when a request gives no max_tokens (default 1024)")
+    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                    help=f"answer length when a request gives no max_tokens (default {DEFAULT_MAX_TOKENS}, as "
+                         "edge-chat and the Python API)")
     ap.add_argument("--no-reuse", action="store_true",
                     help="prefill every prompt in full instead of reusing the previous conversation's KV cache "
                          "(for measuring what reuse saves)")
@@ -1056,6 +1057,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                     help="uvicorn's log level; info logs every request (default warning)")
     add_engine_args(ap)  # the same engine flags as edge-chat
+    add_version(ap)
     return ap
 
 

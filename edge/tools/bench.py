@@ -34,20 +34,24 @@ import sys
 import time
 from pathlib import Path
 
-from ..args import int_at_least, non_negative_int, positive_int, was_interrupted
+from ..args import add_version, int_at_least, non_negative_int, positive_int, was_interrupted
 from ..engine import ContextFull, EngineError
 from ..files import unwritable, write_atomic
 from ..measure import peak_rss_mb, reset_peak_rss
 from .peer import (HF_WORKER, RUNTIMES, Peer, PeerError, PeerSpec, gguf_file_problem, is_peer_mode,
                    model_dir_problem, parse_peer_models, peer_reference)
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[3] / "shared" / "workloads" / "public.jsonl"
+# shipped with the package, so a wheel or a plain clone benchmarks without ../shared: the first 3 prompts of each
+# category of ../shared/workloads/public.jsonl whose data licence is stated (code MIT, math MIT, qa CC BY-SA 3.0;
+# each item carries its source and licence); the input-grounded categories there state none, so they stay out
+DEFAULT_PROMPTS = Path(__file__).resolve().with_name("prompts.jsonl")
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     """The prompt file, model and thread flags edge-bench and edge-profile share."""
-    ap.add_argument("prompts", nargs="?", default=str(DEFAULT_PROMPTS),
-                    help="JSONL file of {id, category, turns: [...]} (default: ../shared/workloads/public.jsonl)")
+    ap.add_argument("prompts", nargs="?", default=str(DEFAULT_PROMPTS), metavar="PROMPTS",
+                    help="JSONL file of {id, category, turns: [...]} (default: the 9 prompts shipped with edgespec, "
+                         "3 each of code, math and qa; ../shared/workloads/public.jsonl has all six categories)")
     ap.add_argument("--model", metavar="DIR", help="exported model directory (default: embedded model)")
     ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
 
@@ -109,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                          "$EDGESPEC_HOME/reference/<folder name>-<hash of its path>.json)")
     ap.add_argument("--out", default="bench-out/edge-bench.json", help="JSON output (default bench-out/edge-bench.json)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_version(ap)
     return ap
 
 
@@ -809,7 +814,7 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
         why = "Interrupted" if interrupted else f"Stopped by an error ({failed})"
         md += f"\n\n{why}: {done} of {total} runs (prompt × mode × repeat) finished; the table shows those."
     if skipped:
-        md += (f"\n\nSkipped (a turn does not fit the context, in every mode): "
+        md += ("\n\nSkipped (a turn does not fit the context, in every mode): "
                + ", ".join(str(s["id"]) for s in skipped) + ".")
     try:
         write_atomic(out, json.dumps(doc))

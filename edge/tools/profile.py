@@ -10,7 +10,7 @@ Steps (--steps, default all):
   memory      peak RSS vs context, plain and speculative: one fresh process per point (edge.tools.memprobe; its own
               peak RSS, so points are isolated) beside the footprint model's prediction for the same run; plus
               the planner's K and the longest K at --specmemo-context (extra memory of managed vs unmanaged)
-  chat        (only when named) a --chat-turns edge-chat session, prompts piped in with /stats after each, under
+  chat        (only when named) a --chat-turns edge-chat session, prompts piped in with /stats json after each, under
               a budget just above the speculative lower bound at the context the chat reaches, then once under a
               budget below plain decoding's bound (which must be refused with a clear error)
 
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from .bench import add_workload_args, read_workload
-from ..args import int_at_least, non_negative_int, positive_float, positive_int
+from ..args import add_version, int_at_least, non_negative_int, positive_float, positive_int
 from ..engine import DRAFTERS, MAX_DRAFT_LEN
 from ..measure import call_latency
 from ..runner import MAX_CALL
@@ -121,6 +121,7 @@ def _parser() -> argparse.ArgumentParser:
                          "edge.load / edge-chat / edge-serve use when no --calibration is given and the planner runs "
                          "on the host profile (--budget-mb without --device, or --device host)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_version(ap)
     return ap
 
 
@@ -616,7 +617,7 @@ def _chat_cli(model_dir, budget: float, context: int, calibration, threads: int,
 
 
 def _json_objects(text: str) -> list[dict]:
-    """The JSON objects printed one after another in a stream of other lines (/stats output)."""
+    """The JSON objects printed one after another in a stream of other lines (/stats json output)."""
     dec, out, i = json.JSONDecoder(), [], 0
     while (i := text.find("{\n", i)) >= 0:
         try:
@@ -642,7 +643,7 @@ def _chat_rows(stderr: str) -> list[dict]:
 
 def budget_chat(model_dir, items, turns: int, context: int, max_tokens: int, budget: float | None, calibration,
                 threads: int, prog=None) -> dict:
-    """A `turns`-turn edge-chat session (one line per prompt, /stats after each) under `budget`, then a chat start
+    """A `turns`-turn edge-chat session (one line per prompt, /stats json after each) under `budget`, then a chat start
     under a budget 10 MB below plain decoding's bound where the engine first plans (refused with a clear error).
 
     Default budget: just above (+0.1 MB) the speculative lower bound at the largest context the chat plans for,
@@ -656,7 +657,7 @@ def budget_chat(model_dir, items, turns: int, context: int, max_tokens: int, bud
     context = min(context, m.target.max_len)  # a smaller export: as much as it holds (edge-chat refuses more)
     profile = profile_for(None, calibration=calibration, model_dir=model_dir)
     prompts = [" ".join(items[i % len(items)]["turns"][0].split()) for i in range(turns)]
-    stdin = "".join(f"{p}\n/stats\n" for p in prompts) + "/quit\n"
+    stdin = "".join(f"{p}\n/stats json\n" for p in prompts) + "/quit\n"
     free = None
     if budget is None:
         r0 = _chat_cli(model_dir, profile.budget_mb, context, calibration, threads, stdin, max_tokens)

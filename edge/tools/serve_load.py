@@ -21,6 +21,8 @@ import threading
 import time
 import urllib.parse
 
+from ..args import add_version
+
 PROMPTS = ["Name three rivers.", "What is the capital of France?", "Write a haiku about the sea.",
            "Explain what a KV cache is in one sentence.", "List two prime numbers.", "Say hello in Spanish."]
 
@@ -152,6 +154,7 @@ def main(argv=None) -> int:
                     help="instead of the load: one conversation of this many turns, reporting prompt tokens "
                          "reused / prefilled per turn (compare a server started with --no-reuse)")
     ap.add_argument("--json", metavar="FILE", help="also write the summary to FILE")
+    add_version(ap)
     a = ap.parse_args(argv)
     if a.concurrency < 1 or a.requests < 1 or a.requests > 1000:
         print("serve_load: error: --concurrency >= 1 and --requests in [1, 1000]", file=sys.stderr)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from memory.footprint import recycling_bytes
 
-from ..args import non_negative_int, positive_int
+from ..args import add_version, non_negative_int, positive_int
 from ..engine import DRAFTERS
 from ..files import unwritable
 from ..measure import peak_rss_mb, rss_bytes
@@ -137,7 +137,8 @@ def main(argv=None) -> int:
                     help="context window in tokens (default 4096, or the export's maximum if that is smaller)")
     ap.add_argument("--drafter", default="auto", choices=DRAFTERS, help="drafter, as edge-chat's (default auto)")
     ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
-    ap.add_argument("--json", help="write the report here")
+    ap.add_argument("--json", metavar="FILE", help="also write the full report (with the RSS series) to FILE")
+    add_version(ap)
     a = ap.parse_args(argv)
     import edge
 
