@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .engine import DEFAULT_CONTEXT, DRAFTERS
+from .drafters import DRAFTER_CHOICES
+from .engine import DEFAULT_CONTEXT
 
 
 def int_at_least(minimum: int, maximum: int | None = None):
@@ -80,7 +81,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The flags that become `edge.load` keywords (drafter, threads, context, device, budget, calibration,
     simulate), in their own help group; edge-chat and edge-serve both take them."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--drafter", choices=list(DRAFTERS), default="auto",
+    group.add_argument("--drafter", choices=list(DRAFTER_CHOICES), default="auto",
                        help="speculative drafter: lookup = prompt/history n-gram lookup, recycling = Token Recycling "
                             "(the target's own top-k successors), hybrid = each step the lookup span or the recycling "
                             "chain, whichever is expected to gain more per millisecond, model = the export's drafter "

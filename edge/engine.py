@@ -37,7 +37,6 @@ from .output import AnswerText, Chunk
 from .runner import HEAD_TOPK_MAX, HEAD_TOPK_NUCLEUS, GraphSession, Output, open_session
 from .text import TextCodec
 
-DRAFTERS = DRAFTER_CHOICES  # what a request may name (edge.drafters.DRAFTER_KINDS describes each)
 DEFAULT_CONTEXT = 4096  # tokens, when neither the caller nor a smaller export says otherwise
 MAX_DRAFT_LEN = 64  # draft tokens per call a request may ask for (draft_len)
 DEFAULT_MAX_TOKENS = 512  # answer length when a request sets none: the API, edge-chat and edge-serve alike
@@ -144,8 +143,8 @@ class GenerationParams:
             raise EngineError(f"top_p must be in (0, 1] (got {self.top_p!r})")
         if not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
             raise EngineError(f"top_k must be an integer >= 0 (got {self.top_k!r}); 0 disables it")
-        if self.drafter is not None and self.drafter not in DRAFTERS:
-            raise EngineError(f"drafter {self.drafter!r}: choose one of {', '.join(DRAFTERS)}")
+        if self.drafter is not None and self.drafter not in DRAFTER_CHOICES:
+            raise EngineError(f"drafter {self.drafter!r}: choose one of {', '.join(DRAFTER_CHOICES)}")
         if self.draft_len is not None and not (0 <= self.draft_len <= MAX_DRAFT_LEN):
             raise EngineError(f"draft_len must be in [0, {MAX_DRAFT_LEN}] (got {self.draft_len!r})")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):

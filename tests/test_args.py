@@ -65,7 +65,7 @@ def test_engine_flags_shared_by_chat_and_serve():
 
     import edge
     from edge.chat import _parser as chat_parser
-    from edge.engine import DRAFTERS
+    from edge.drafters import DRAFTER_CHOICES as DRAFTERS
     from edge.server.app import _parser as serve_parser
 
     for d in DRAFTERS:

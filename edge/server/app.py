@@ -34,7 +34,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..engine import DEFAULT_MAX_TOKENS, DRAFTERS, MAX_DRAFT_LEN, BadMessage, EngineError, normalize_messages
+from ..drafters import DRAFTER_CHOICES
+from ..engine import DEFAULT_MAX_TOKENS, MAX_DRAFT_LEN, BadMessage, EngineError, normalize_messages
 from ..manifest import ModelDirError
 
 log = logging.getLogger("edge.server")
@@ -281,8 +282,8 @@ def _extensions(body: dict) -> dict:
                        "invalid_value")
     out = {}
     if ext.get("drafter") is not None:
-        if ext["drafter"] not in DRAFTERS:
-            raise ApiError(400, f"edgespec.drafter {ext['drafter']!r}: choose one of {', '.join(DRAFTERS)}",
+        if ext["drafter"] not in DRAFTER_CHOICES:
+            raise ApiError(400, f"edgespec.drafter {ext['drafter']!r}: choose one of {', '.join(DRAFTER_CHOICES)}",
                            "edgespec.drafter", "invalid_value")
         out["drafter"] = ext["drafter"]
     k = _int(ext, "draft_len", 0, "edgespec.draft_len")

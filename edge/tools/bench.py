@@ -503,7 +503,8 @@ def main(argv=None) -> int:
 def _main(a) -> int:
     import edge
 
-    from ..engine import DRAFTERS, GenerationParams
+    from ..drafters import DRAFTER_CHOICES, DRAFTER_KINDS
+    from ..engine import GenerationParams
 
     modes = list(dict.fromkeys(m.strip() for m in a.modes.split(",") if m.strip()))
     try:
@@ -512,9 +513,9 @@ def _main(a) -> int:
         print(f"edge-bench: error: {e}", file=sys.stderr)
         return 2
     peer_modes = {m for s in specs for m in s.modes}
-    bad = [m for m in modes if (m not in DRAFTERS or m == "auto") and m not in peer_modes]
+    bad = [m for m in modes if m not in DRAFTER_KINDS and m not in peer_modes]
     if bad:
-        known = ", ".join([d for d in DRAFTERS if d != "auto"] + sorted(peer_modes))
+        known = ", ".join([d for d in DRAFTER_CHOICES if d != "auto"] + sorted(peer_modes))
         hint = "".join(f"; {rt} modes need {flag}" for rt, flag in _FLAG.items()
                        if any(m == rt or m.startswith(rt + "-") for m in bad) and not any(s.runtime == rt
                                                                                          for s in specs))

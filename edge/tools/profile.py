@@ -34,7 +34,8 @@ from pathlib import Path
 
 from .bench import add_workload_args, read_workload
 from ..args import add_version, int_at_least, non_negative_int, positive_float, positive_int
-from ..engine import DRAFTERS, MAX_DRAFT_LEN
+from ..drafters import DRAFTER_KINDS
+from ..engine import MAX_DRAFT_LEN
 from ..measure import call_latency
 from ..runner import MAX_CALL
 
@@ -58,7 +59,7 @@ def _int_list(minimum: int, maximum: int | None = None):
 
 def _drafter_list(text: str) -> list[str]:
     """argparse type: comma-separated drafter names the engine knows (not "auto": a sweep names what it runs)."""
-    known = [d for d in DRAFTERS if d != "auto"]
+    known = list(DRAFTER_KINDS)
     vals = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in vals if x not in known]
     if bad or not vals:
@@ -105,7 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--mem-ks", type=_int_list(0, MAX_DRAFT_LEN), default="0,16",
                     help=f"draft lengths of the memory sweep, each 0-{MAX_DRAFT_LEN} "
                          "(0 = plain decoding; default 0,16)")
-    ap.add_argument("--mem-drafter", choices=[d for d in DRAFTERS if d not in ("auto", "none")],
+    ap.add_argument("--mem-drafter", choices=[d for d in DRAFTER_KINDS if d != "none"],
                     default="lookup", help="drafter of the memory sweep's speculative runs (default lookup)")
     ap.add_argument("--specmemo-context", type=non_negative_int, default=1024,
                     help="context of the managed (planner's K) vs unmanaged (longest K) memory pair; 0 = skip (default 1024)")

@@ -23,7 +23,7 @@ from pathlib import Path
 from memory.footprint import recycling_bytes
 
 from ..args import add_version, non_negative_int, positive_int
-from ..engine import DRAFTERS
+from ..drafters import DRAFTER_CHOICES
 from ..files import unwritable
 from ..measure import peak_rss_mb, rss_bytes
 
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     ap.add_argument("--every", type=positive_int, default=10, help="record RSS every N turns (default 10)")
     ap.add_argument("--context", type=positive_int, default=None,
                     help="context window in tokens (default 4096, or the export's maximum if that is smaller)")
-    ap.add_argument("--drafter", default="auto", choices=DRAFTERS, help="drafter, as edge-chat's (default auto)")
+    ap.add_argument("--drafter", default="auto", choices=DRAFTER_CHOICES, help="drafter, as edge-chat's (default auto)")
     ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
     ap.add_argument("--json", metavar="FILE", help="also write the full report (with the RSS series) to FILE")
     add_version(ap)
