@@ -386,14 +386,11 @@ class Engine:
             return "model"
         return "hybrid" if self.target.topk else "lookup"
 
-    def _planned_graph(self) -> str | None:
-        """The drafter graph the memory plan budgets for, when it plans a model drafter."""
-        return self.plan.draft_graph if self.plan is not None and self.plan.drafter == "model" else None
-
     def _model_graph(self):
         """The drafter graph a model drafter runs: the memory plan's when it plans one (its budget is for that
         graph), else the best one."""
-        return drafter_graph(self.manifest, self._planned_graph())
+        want = self.plan.draft_graph if self.plan is not None and self.plan.drafter == "model" else None
+        return drafter_graph(self.manifest, want)
 
     def _model_drafter(self, p: GenerationParams, rng) -> ModelDrafter:
         g = self._model_graph()
@@ -413,7 +410,7 @@ class Engine:
         # (sampled drafts draw per draft token, and how many it drafts depends on the acceptance it has measured)
         return ModelDrafter(self._drafter_sess, self._id_map, self.manifest.arch["vocab"], threshold=0.0,
                             temperature=p.temperature if p.seed is None else 0.0, top_k=p.top_k, top_p=p.top_p,
-                            rng=rng, input_vocab=self.manifest.arch_of(self._model_graph())["vocab"],
+                            rng=rng, input_vocab=self.manifest.arch_of(g)["vocab"],
                             prefill_chunk=self._prefill_chunk())
 
     def _drafter(self, kind: str, p: GenerationParams, rng) -> tuple[Drafter, int]:
@@ -507,8 +504,8 @@ class Engine:
         if not exact.all():  # rows whose nucleus reaches past the head's k: from their logits
             if out.logits is None:  # a cut inside the head's k declines only rows that are not finite
                 rows = np.flatnonzero(~exact).tolist()
-                raise ModelOutputError(f"the model's probabilities in rows {rows} are not finite; "
-                                       "the model output is corrupt")
+                raise CorruptOutput(f"the model's probabilities in rows {rows} are not finite; "
+                                    "the model output is corrupt")
             self.head_misses += int((~exact).sum())
             P[~exact] = process_logits(out.logits[~exact], p.temperature, p.top_k, p.top_p)
         return P
@@ -632,7 +629,7 @@ class Engine:
                 st.accepted += drafted
                 drafter.accept(new)
                 root = nxt
-        except CorruptOutput as e:  # non-finite logits from the kernels' checks: an EngineError
+        except CorruptOutput as e:  # non-finite logits or probabilities: an EngineError, converted here once
             raise ModelOutputError(str(e)) from e
         finally:
             if not st.decode_s:

@@ -9,10 +9,6 @@ import sys
 import time
 
 
-def med(xs) -> float:
-    return statistics.median(xs)
-
-
 def call_latency(session, sizes: list[int], context: int, reps: int, prog=None) -> list[list[float]]:
     """[[S, median ms], ...] of one call of S rows after `context` committed tokens (nothing is committed), for the
     widths of `sizes` up to the first that does not fit. The widths take turns, one call each per round: a slow
@@ -35,7 +31,7 @@ def call_latency(session, sizes: list[int], context: int, reps: int, prog=None) 
             t = time.perf_counter()
             session.forward(toks[s])
             ts[s].append(1000 * (time.perf_counter() - t))
-    out = [[s, round(med(ts[s]), 3)] for s in fit]
+    out = [[s, round(statistics.median(ts[s]), 3)] for s in fit]
     if prog:
         for s in fit:
             prog.step(f"latency S={s}")
