@@ -5,6 +5,9 @@ Two sources, never a hub:
   (F32/F16/BF16) so the fast export path needs no torch;
 - a GGUF file (llama.cpp), de-quantized with the `gguf` package; llama.cpp's convert script permutes the rows of
   q/k for its rotary layout, which is undone here (same inverse as transformers' GGUF loader).
+
+Gemma 3's RMSNorms scale by (1 + w): the canonical form keeps the *effective* norm weights (1 + w), as llama.cpp's
+GGUF stores them, so every consumer (graph, reference, smoothing, distillation) multiplies by the weight as for llama.
 """
 from __future__ import annotations
 
@@ -21,8 +24,12 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "llama",
+    "Gemma3ForCausalLM": "gemma3",
 }
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}  # a config.json without "architectures"
+# a config.json without "architectures"
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama", "gemma3_text": "gemma3"}
+GEMMA3_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                "post_feedforward_layernorm", "self_attn.q_norm", "self_attn.k_norm")
 
 
 class CheckpointError(Exception):
@@ -49,19 +56,42 @@ class ArchConfig:
     # rope scaling as per-frequency divisors of the rotary inverse frequencies (head_dim / 2 of them; empty: none):
     # linear scaling divides all by its factor, Llama 3's scaling some (llama.cpp stores them as rope_freqs.weight)
     rope_factors: tuple[float, ...] = ()
+    # Gemma 3 (family "gemma3"): sliding-window attention on `sliding_layers` (a query sees the keys less than
+    # `sliding_window` positions behind it) with their own rotary base `rope_local_theta` (rope_factors apply to the
+    # full-attention layers only); embeddings scaled by `embed_scale`; attention logits scaled by `attn_scale`
+    # (0: 1/sqrt(head_dim)); tanh-GELU gated MLP; QK-norm and a norm after attention and after the MLP
+    sliding_window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: float = 0.0
+    embed_scale: float = 1.0
+    attn_scale: float = 0.0
 
-    def inv_freq(self) -> np.ndarray:
-        """The rotary inverse frequencies [head_dim / 2], scaling applied (what the graph and the reference use)."""
+    def inv_freq(self, layer: int | None = None) -> np.ndarray:
+        """The rotary inverse frequencies [head_dim / 2] of `layer` (default: a full-attention layer), scaling
+        applied (what the graph and the reference use)."""
+        if layer is not None and self.is_sliding(layer):
+            return 1.0 / self.rope_local_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
         inv = 1.0 / self.rope_theta ** (np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim)
         return inv / np.asarray(self.rope_factors, np.float64) if self.rope_factors else inv
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.sliding_window) and layer in self.sliding_layers
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale or 1.0 / float(np.sqrt(self.head_dim))
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["sliding_layers"] = list(self.sliding_layers)
         if self.rope_factors:
             d["rope_factors"] = [float(f) for f in self.rope_factors]
-        else:
-            del d["rope_factors"]  # exports without rope scaling keep the manifest they always had
+        # fields at their default are left out: exports of the llama family keep the manifest they always had
+        for k, default in (("rope_factors", ()), ("sliding_window", 0), ("sliding_layers", []),
+                           ("rope_local_theta", 0.0), ("embed_scale", 1.0), ("attn_scale", 0.0)):
+            if d[k] == default:
+                del d[k]
         return d
 
 
@@ -141,9 +171,19 @@ def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
     # rope_parameters: newer transformers' name for rope_theta + rope_scaling; "type": older configs' rope_type.
     rp = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     rs = cfg.get("rope_scaling") or rp
-    act = cfg.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise CheckpointError(f"{where}: hidden_act {act!r}: the fast exporter's MLP is SiLU-gated; {via}")
+    gemma = family == "gemma3"
+    act = cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh")) if gemma else \
+        cfg.get("hidden_act", "silu")
+    if act not in (("gelu_pytorch_tanh", "gelu_tanh") if gemma else ("silu", "swish")):
+        raise CheckpointError(f"{where}: hidden_act {act!r}: the fast exporter's {arch} MLP is "
+                              f"{'tanh-GELU' if gemma else 'SiLU'}-gated; {via}")
+    if gemma:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key) is not None:
+                raise CheckpointError(f"{where}: {key} {cfg[key]} is not supported by the fast exporter; {via}")
+        if cfg.get("use_bidirectional_attention"):
+            raise CheckpointError(f"{where}: use_bidirectional_attention (an encoder) is not a decoder the fast "
+                                  "exporter builds")
     if float(cfg.get("partial_rotary_factor") or 1.0) != 1.0:
         raise CheckpointError(f"{where}: partial_rotary_factor {cfg['partial_rotary_factor']} (rotary over part of "
                               f"each head) is not supported by the fast exporter; {via}")
@@ -161,7 +201,7 @@ def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
     # is inside the window: the export is capped there, which is exact
     window = cfg.get("sliding_window") if arch == "MistralForCausalLM" or cfg.get("model_type") == "mistral" or \
         cfg.get("use_sliding_window") else None
-    if window:
+    if window and not gemma:
         max_positions = min(max_positions, int(window))
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
@@ -171,6 +211,7 @@ def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
                                                           f"exporter yet; {via}")
     eos = cfg.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    extra = _gemma3_hf_fields(cfg, cfg["num_hidden_layers"], hidden, head_dim, where) if gemma else {}
     return ArchConfig(
         family=family,
         hidden=hidden,
@@ -183,12 +224,33 @@ def _config_from_hf(cfg: dict, where: str) -> ArchConfig:
         rope_theta=rope_theta,
         rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_positions=max_positions,
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),  # transformers' defaults: Gemma ties
         qkv_bias=family == "qwen2",
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos,
         rope_factors=factors,
+        **extra,
     )
+
+
+def _gemma3_hf_fields(cfg: dict, layers: int, hidden: int, head_dim: int, where: str) -> dict:
+    """Gemma 3's ArchConfig fields from its config.json: the sliding layers from `layer_types` (or the older
+    `sliding_window_pattern`: every n-th layer is full), the local rotary base, sqrt(hidden) embedding scale and
+    query_pre_attn_scalar^-0.5 attention scale, as transformers' Gemma3 text model computes them."""
+    types = cfg.get("layer_types")
+    if types is not None:
+        if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise CheckpointError(f"{where}: layer_types must name sliding_attention or full_attention for each of "
+                                  f"the {layers} layers")
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:
+        every = int(cfg.get("sliding_window_pattern", 6))
+        sliding = tuple(i for i in range(layers) if (i + 1) % every)
+    scalar = float(cfg.get("query_pre_attn_scalar", head_dim))
+    return dict(sliding_window=int(cfg.get("sliding_window") or 0) if sliding else 0,
+                sliding_layers=sliding if cfg.get("sliding_window") else (),
+                rope_local_theta=float(cfg.get("rope_local_base_freq", 10000.0)),
+                embed_scale=float(np.float32(hidden ** 0.5)), attn_scale=float(scalar ** -0.5))
 
 
 def _hf_rope_factors(rs, theta: float, head_dim: int, refusal: str) -> tuple[float, ...]:
@@ -257,6 +319,10 @@ def load_hf_dir(path: str | os.PathLike) -> Checkpoint:
     for f in files:
         weights.update(read_safetensors(f))
     _check_weights(config, weights, str(path))
+    if config.family == "gemma3":  # the canonical form keeps effective (1 + w) norm weights
+        norms = ["model.norm.weight"] + [f"model.layers.{i}.{n}.weight" for i in range(config.layers)
+                                         for n in GEMMA3_NORMS]
+        weights.update({n: weights[n] + np.float32(1) for n in norms})
     return Checkpoint(config, weights, str(path), "hf")
 
 
@@ -318,6 +384,9 @@ def _expected_shapes(c: ArchConfig) -> dict[str, tuple[int, ...]]:
     if c.qkv_bias:
         per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
                           "self_attn.v_proj.bias": (kv,)})
+    if c.family == "gemma3":
+        per_layer.update({f"{n}.weight": (c.head_dim,) if n.startswith("self_attn") else (c.hidden,)
+                          for n in GEMMA3_NORMS})
     for i in range(c.layers):
         shapes.update({f"model.layers.{i}.{n}": s for n, s in per_layer.items()})
     return shapes
@@ -342,38 +411,39 @@ _GGUF_REQUIRED = ("attention.head_count", "embedding_length", "block_count", "fe
                   "attention.layer_norm_rms_epsilon")
 
 
-def gguf_fields(path: str | os.PathLike) -> dict:
-    import gguf
+# Gemma 3's GGUF names for its four norms per layer and its QK-norm (llama.cpp's gemma3 conversion)
+_GGUF_GEMMA3_NAMES = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                      "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+                      "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
-    r = gguf.GGUFReader(str(path))
-    out = {}
-    for k, f in r.fields.items():
-        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
-            continue
-        try:
-            out[k] = f.contents()
-        except Exception:  # a field type the reader cannot render is not needed here
-            pass
-    return out
+
+def gguf_fields(path: str | os.PathLike) -> dict:
+    """Every metadata field of a GGUF file (read once per process: `export.gguf_file.open_gguf`)."""
+    from .gguf_file import open_gguf
+
+    return open_gguf(path).fields
 
 
 def load_gguf(path: str | os.PathLike) -> Checkpoint:
     try:
-        import gguf
-        from gguf.quants import dequantize
+        import gguf  # noqa: F401  (de-quantization)
     except ImportError as e:  # pragma: no cover - dependency message
         raise CheckpointError("reading GGUF needs the `gguf` package: pip install gguf") from e
+    from .gguf_file import open_gguf
+
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
     try:
-        r = gguf.GGUFReader(str(path))
+        r = open_gguf(path)
     except Exception as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
-    f = {k: v for k, v in gguf_fields(path).items()}
+    f = r.fields
     arch = f.get("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise CheckpointError(f"{path}: GGUF architecture {arch!r} not supported; supported: llama, qwen2")
+    if arch not in GGUF_ARCHITECTURES:  # before any tensor is read
+        raise CheckpointError(f"{path}: GGUF architecture {arch!r} not supported; supported: "
+                              f"{', '.join(GGUF_ARCHITECTURES)}")
     p = arch + "."
     missing = [p + k for k in _GGUF_REQUIRED if p + k not in f]
     if missing:
@@ -388,11 +458,10 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     rope_freqs = None
     kv_heads = int(f.get(p + "attention.head_count_kv", heads))
     hidden = int(f[p + "embedding_length"])
+    names = _GGUF_GEMMA3_NAMES if arch == "gemma3" else _GGUF_NAMES
     weights: dict[str, np.ndarray] = {}
     for t in r.tensors:
-        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost-first
-        arr = arr.reshape(shape)
+        arr = r.dequantize(t)
         name = t.name
         if name == "rope_freqs.weight":  # llama.cpp's per-frequency rope divisors (Llama 3.1's rope scaling)
             rope_freqs = tuple(float(x) for x in arr.reshape(-1))
@@ -406,7 +475,7 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
         elif name.startswith("blk."):
             _, i, kind, suffix = name.split(".", 3)
             # a kind we do not map keeps its GGUF name: _check_weights refuses it rather than the export dropping it
-            hf = f"model.layers.{i}.{_GGUF_NAMES[kind]}.{suffix}" if kind in _GGUF_NAMES else name
+            hf = f"model.layers.{i}.{names[kind]}.{suffix}" if kind in names else name
             if arch == "llama" and kind == "attn_q" and suffix == "weight":
                 arr = _unpermute(arr, heads)
             elif arch == "llama" and kind == "attn_k" and suffix == "weight":
@@ -432,7 +501,7 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     if scaling == "linear" and linear > 0:
         factors = factors * linear
     config = ArchConfig(
-        family="llama" if arch == "llama" else "qwen2",
+        family=arch,
         hidden=hidden,
         layers=int(f[p + "block_count"]),
         heads=heads,
@@ -448,9 +517,21 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
         bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (),
         rope_factors=tuple(float(x) for x in factors) if np.any(factors != 1) else (),
+        **(_gemma3_gguf_fields(f, int(f[p + "block_count"]), hidden, heads, head_dim) if arch == "gemma3" else {}),
     )
     _check_weights(config, weights, str(path))
     return Checkpoint(config, weights, str(path), "gguf")
+
+
+def _gemma3_gguf_fields(f: dict, layers: int, hidden: int, heads: int, head_dim: int) -> dict:
+    """What llama.cpp's gemma3 model fixes rather than stores: every 6th layer full attention, the others sliding
+    with rotary base 10k, sqrt(hidden) embedding scale, and attention scaled by 1/sqrt(head dim) except for the 27B
+    model (hidden 5376), whose query_pre_attn_scalar is hidden / heads. Norm weights are stored as (1 + w)."""
+    window = int(f.get("gemma3.attention.sliding_window", 0))
+    scalar = hidden / heads if hidden == 5376 else head_dim
+    return dict(sliding_window=window, sliding_layers=tuple(i for i in range(layers) if (i + 1) % 6) if window else (),
+                rope_local_theta=10000.0, embed_scale=float(np.float32(hidden ** 0.5)),
+                attn_scale=float(scalar ** -0.5))
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:

@@ -226,6 +226,10 @@ class _Builder:
                                              value=numpy_helper.from_array(np.array([128], np.uint8)))[0]
         return self._row_zeros[key]
 
+    def rms_norm(self, x: str, w: np.ndarray, name: str, eps: float) -> str:
+        return self.node("SimplifiedLayerNormalization", [x, self.init(f"{name}.weight", w.astype(self.np_ft))],
+                         name=name, axis=-1, epsilon=eps, stash_type=1)[0]
+
     def embedding(self, w: np.ndarray, bits: int | None) -> str:
         """Rows of w [V, H] for input_ids: a float Gather, or GatherBlockQuantized over block-quantized rows
         [V, n_blocks, blob] with one scale (and zero point) per block [V, n_blocks, 1]."""
@@ -256,20 +260,59 @@ def rotary_tables(inv_freq: np.ndarray, max_len: int) -> tuple[np.ndarray, np.nd
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
-def _pad_query_inputs(g: _Builder) -> tuple[str, str]:
+def _pad_query_inputs(g: _Builder, biases: list[str]) -> tuple[list[str], str]:
     """GroupQueryAttention's single-query path sums in another order than its multi-query path (~2e-7), which int8
     activations amplify to ~1 logit: a decode step would not compute what a verify call computes. So every attention
     call gets one extra query row (zeros, position 0; it sees everything, the real rows never see it) and always
     takes the multi-query path. Its K/V lands in the KV buffer's scratch slot after the call's tokens (the runtime
-    allocates capacity + 1 slots) and is never committed. Returns the padded (attention_bias, position_ids)."""
+    allocates capacity + 1 slots) and is never committed. Returns the padded biases and position_ids."""
     neg = g.init("neg", np.array(np.finfo(np.float32).min, np.float32))
-    bias = g.node("Pad", ["attention_bias", g.init("pad_col", np.array([0, 0, 0, 0, 0, 0, 0, 1], np.int64)), neg],
-                  name="bias_pad_col")[0]  # [1, 1, S, T+1]: no real row sees the pad slot
-    bias = g.node("Pad", [bias, g.init("pad_row", np.array([0, 0, 0, 0, 0, 0, 1, 0], np.int64))],
-                  name="bias_pad_row")[0]  # [1, 1, S+1, T+1]: the pad row sees all
+    padded = []
+    for b in biases:
+        b = g.node("Pad", [b, g.init("pad_col", np.array([0, 0, 0, 0, 0, 0, 0, 1], np.int64)), neg],
+                   name=f"{b}_pad_col")[0]  # [1, 1, S, T+1]: no real row sees the pad slot
+        padded.append(g.node("Pad", [b, g.init("pad_row", np.array([0, 0, 0, 0, 0, 0, 1, 0], np.int64))],
+                             name=f"{b}_pad_row")[0])  # [1, 1, S+1, T+1]: the pad row sees all
     positions = g.node("Pad", ["position_ids", g.init("pad_seq2", np.array([0, 0, 0, 1], np.int64))],
                        name="positions_pad")[0]
-    return bias, positions
+    return padded, positions
+
+
+def _qk_norm(g: _Builder, qkv: str, c, L, i: int, eps: float) -> list[str]:
+    """Split the packed projection into query, key, value and RMS-normalize every head of the query and key over
+    its head_dim (Gemma 3's QK-norm): [1, S, H·D] → [1, S·H, D] → norm → [1, S, H·D]."""
+    q_dim, kv_dim = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    q, k, v = g.node("Split", [qkv, g.init(f"qkv_split_{q_dim}_{kv_dim}", np.array([q_dim, kv_dim, kv_dim], np.int64))],
+                     n_out=3, name=f"l{i}/qkv_split", axis=-1)
+    heads = g.init("per_head_shape", np.array([1, -1, c.head_dim], np.int64))
+    out = []
+    for x, n, dim in ((q, "q", q_dim), (k, "k", kv_dim)):
+        x = g.node("Reshape", [x, heads], name=f"l{i}/{n}_heads")[0]
+        x = g.rms_norm(x, L(f"self_attn.{n}_norm.weight"), f"l{i}/{n}_norm", eps)
+        out.append(g.node("Reshape", [x, g.init(f"rows_shape_{dim}", np.array([1, -1, dim], np.int64))],
+                          name=f"l{i}/{n}_rows")[0])
+    return out + [v]
+
+
+def _window_bias(g: _Builder, window: int) -> str:
+    """attention_bias with the sliding window applied: a query at position p may not see a key at position p - window
+    or before. Key positions are the committed slots' indices (the cache holds committed tokens at their positions)
+    followed by this call's position_ids, so tree nodes (position = prefix + depth) are windowed by their depth, as
+    the path they lie on would be in plain decoding. [1, 1, S, T], computed once for every sliding layer."""
+    i64 = lambda name, v: g.init(name, np.array(v, np.int64))  # noqa: E731
+    shape = g.node("Shape", ["attention_bias"], name="window/bias_shape")[0]
+    t = g.node("Gather", [shape, i64("const_3", 3)], name="window/T", axis=0)[0]
+    s = g.node("Gather", [g.node("Shape", ["position_ids"], name="window/pos_shape")[0], i64("const_1", 1)],
+               name="window/S", axis=0)[0]
+    committed = g.node("Range", [i64("const_0", 0), g.node("Sub", [t, s], name="window/P")[0], i64("const_1", 1)],
+                       name="window/committed")[0]
+    keys = g.node("Concat", [committed, g.node("Reshape", ["position_ids", i64("shape_minus1", [-1])],
+                                               name="window/call_pos")[0]], name="window/key_pos", axis=0)[0]  # [T]
+    queries = g.node("Unsqueeze", ["position_ids", i64("axes_1_3", [1, 3])], name="window/query_pos")[0]  # [1,1,S,1]
+    behind = g.node("Sub", [queries, keys], name="window/behind")[0]  # [1, 1, S, T]
+    far = g.node("GreaterOrEqual", [behind, i64("window", window)], name="window/far")[0]
+    neg = g.init("neg", np.array(np.finfo(np.float32).min, np.float32))
+    return g.node("Where", [far, neg, "attention_bias"], name="window_bias")[0]
 
 
 def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None = None,
@@ -303,9 +346,14 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
     ]
     outputs = []
 
-    bias, positions = "attention_bias", "position_ids"
+    # Gemma 3's sliding layers see a window of the cache: their own bias (only when the context can exceed it)
+    windowed = bool(c.sliding_window) and max_len > c.sliding_window and \
+        any(c.is_sliding(i) for i in range(n_layers))
+    biases = ["attention_bias"] + ([_window_bias(g, c.sliding_window)] if windowed else [])
+    positions = "position_ids"
     if opts.pad_query:
-        bias, positions = _pad_query_inputs(g)
+        biases, positions = _pad_query_inputs(g, biases)
+    bias = biases[0]
     # T, seqlens_k = T - 1, from the (padded) mask's shape
     shape = g.node("Shape", [bias], name="bias_shape")[0]
     t64 = g.node("Gather", [shape, g.init("const_3", np.array(3, np.int64))], name="total_len64", axis=0)[0]
@@ -313,16 +361,25 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
     seqlens = g.node("Sub", [total, g.init("const_one_i32", np.array(1, np.int32))], name="seqlens_scalar")[0]
     seqlens = g.node("Reshape", [seqlens, g.init("shape_1", np.array([1], np.int64))], name="seqlens_k")[0]
     if ft != TensorProto.FLOAT:
-        bias = g.node("Cast", [bias], name="attention_bias_cast", to=ft)[0]
+        biases = [g.node("Cast", [b], name=f"{b}_cast", to=ft)[0] for b in biases]
 
-    # GroupQueryAttention wants cos/sin rows for every slot it may see, the pad query's scratch slot included
-    cos, sin = rotary_tables(c.inv_freq(), max_len + int(opts.pad_query))
-    cos_n, sin_n = g.init("cos_cache", cos.astype(g.np_ft)), g.init("sin_cache", sin.astype(g.np_ft))
+    # GroupQueryAttention wants cos/sin rows for every slot it may see, the pad query's scratch slot included;
+    # sliding layers (Gemma 3) have their own rotary base
+    rotary = {}
+    for kind, layer in (("", None), ("local_", next((i for i in range(n_layers) if c.is_sliding(i)), None))):
+        if kind and layer is None:
+            continue
+        cos, sin = rotary_tables(c.inv_freq(layer), max_len + int(opts.pad_query))
+        rotary[kind] = g.init(f"{kind}cos_cache", cos.astype(g.np_ft)), g.init(f"{kind}sin_cache", sin.astype(g.np_ft))
+    gemma = c.family == "gemma3"
 
     # quantized bodies store the embedding block-quantized like the LM head (113 → 28 MB here at 8 bits). Its own
     # initializer, not the tied head's: external data is memory-mapped and a Gather touches only the rows it reads,
     # while sharing would keep the head's whole packed table resident (measured: +28 MB RSS)
-    h = g.embedding(w["model.embed_tokens.weight"], opts.embedding_bits(c.hidden) or None)
+    # Gemma scales its embeddings by sqrt(hidden): folded into the table (the tied LM head keeps the unscaled rows)
+    table = w["model.embed_tokens.weight"]
+    h = g.embedding(table * np.float32(c.embed_scale) if c.embed_scale != 1 else table,
+                    opts.embedding_bits(c.hidden) or None)
     residual = h
     x = g.node("SimplifiedLayerNormalization", [h, g.init("l0.input_norm", w["model.layers.0.input_layernorm.weight"].astype(g.np_ft))],
                name="l0/input_norm", axis=-1, epsilon=eps, stash_type=1)[0]
@@ -343,29 +400,43 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
                     helper.make_tensor_value_info(ov, kv_type, kv_shape)]
         if opts.pad_query:
             qkv = g.node("Pad", [qkv, g.init("pad_seq3", np.array([0, 0, 0, 0, 1, 0], np.int64))], name=f"l{i}/qkv_pad")[0]
-        gqa_in = [qkv, "", "", pk, pv, seqlens, total, cos_n, sin_n, positions, bias]
-        quant = {}
+        sliding = c.is_sliding(i)
+        cos_n, sin_n = rotary["local_" if sliding else ""]
+        gqa_in = [qkv, "", "", pk, pv, seqlens, total, cos_n, sin_n, positions,
+                  biases[1] if sliding and windowed else bias]
+        extra = {}
         if int8_kv:  # inputs 11-13: head_sink (unused), k_scale, v_scale, each [1, kv_heads, 1, head_dim]
             gqa_in += ["", g.init(f"l{i}.k_scale", kv_scales[i, 0].reshape(1, c.kv_heads, 1, c.head_dim).astype(np.float32)),
                        g.init(f"l{i}.v_scale", kv_scales[i, 1].reshape(1, c.kv_heads, 1, c.head_dim).astype(np.float32))]
-            quant = dict(kv_cache_bit_width=8, k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL")
+            extra = dict(kv_cache_bit_width=8, k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL")
+        if gemma:  # QK-norm before the rotation (GroupQueryAttention's own q/k norm inputs are GPU-only)
+            gqa_in[:3] = _qk_norm(g, qkv, c, L, i, eps)
+        if c.attn_scale:
+            extra["scale"] = float(c.attn_scale)
         attn = g.node("GroupQueryAttention", gqa_in,
                       domain=MS, name=f"l{i}/attn", outputs=[f"l{i}/attn/out", ok, ov],
                       num_heads=c.heads, kv_num_heads=c.kv_heads, do_rotary=1, rotary_interleaved=0,
-                      local_window_size=-1, **quant)[0]
+                      local_window_size=-1, **extra)[0]
         if opts.pad_query:  # drop the pad row: the first S rows
             attn = g.node("Slice", [attn, g.init("zero_i64", np.array([0], np.int64)), g.init("minus_one_i64", np.array([-1], np.int64)),
                                     g.init("one_i64", np.array([1], np.int64))], name=f"l{i}/attn_unpad")[0]
         o = g.linear(attn, L("self_attn.o_proj.weight"), f"l{i}/o_proj", bits)
+        if gemma:  # a norm on the attention output before the residual add, then the MLP's own input norm
+            o = g.rms_norm(o, L("post_attention_layernorm.weight"), f"l{i}/post_attn_norm", eps)
         x, _, _, residual = g.node("SkipSimplifiedLayerNormalization",
-                                   [o, residual, g.init(f"l{i}.post_norm", L("post_attention_layernorm.weight").astype(g.np_ft))],
+                                   [o, residual, g.init(f"l{i}.post_norm", L("pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight").astype(g.np_ft))],
                                    domain=MS, name=f"l{i}/post_norm", n_out=4, epsilon=eps)
         gu = g.linear(x, np.concatenate([L("mlp.gate_proj.weight"), L("mlp.up_proj.weight")]), f"l{i}/gate_up", bits)
         gate, up = g.node("Split", [gu, g.init(f"l{i}/split", np.array([c.intermediate] * 2, np.int64))],
                           n_out=2, name=f"l{i}/split", axis=-1)
-        act = g.node("Mul", [g.node("Mul", [gate, g.node("Sigmoid", [gate], name=f"l{i}/sigmoid")[0]], name=f"l{i}/silu")[0], up],
-                     name=f"l{i}/act")[0]
+        if gemma:
+            gate = g.node("Gelu", [gate], name=f"l{i}/gelu", approximate="tanh")[0]
+        else:
+            gate = g.node("Mul", [gate, g.node("Sigmoid", [gate], name=f"l{i}/sigmoid")[0]], name=f"l{i}/silu")[0]
+        act = g.node("Mul", [gate, up], name=f"l{i}/act")[0]
         down = g.linear(act, L("mlp.down_proj.weight"), f"l{i}/down", bits)
+        if gemma:
+            down = g.rms_norm(down, L("post_feedforward_layernorm.weight"), f"l{i}/post_mlp_norm", eps)
         last = i == n_layers - 1
         norm_w = w["model.norm.weight"] if last else w[f"model.layers.{i + 1}.input_layernorm.weight"]
         if last and adapter is not None:

@@ -100,7 +100,8 @@ def smooth(ck: Checkpoint, amax: dict[str, np.ndarray], alpha: float = ALPHA) ->
 
         gu = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         s = _scales(amax[f"{i}.gate_up"], _col_max(*(w[n] for n in gu)), alpha)
-        scale(p + "post_attention_layernorm.weight", s, cols=[(n, s) for n in gu])
+        mlp_norm = "pre_feedforward_layernorm" if c.family == "gemma3" else "post_attention_layernorm"
+        scale(p + mlp_norm + ".weight", s, cols=[(n, s) for n in gu])
 
         down = p + "mlp.down_proj.weight"
         s = _scales(amax[f"{i}.down"], _col_max(w[down]), alpha)

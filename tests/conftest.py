@@ -75,18 +75,22 @@ def build_checkpoint(out_dir: Path, family: str = "llama", tie: bool = True, lay
                      intermediate: int = 128, vocab: int = VOCAB, **config):
     """A tiny random HF checkpoint directory (config, safetensors, tokenizer); returns the torch model (fp32).
     Every one shares the same tokenizer (a drafter checkpoint for another one only needs other dimensions).
-    `family`: llama, qwen2 or mistral; `config`: more config keys (attention_bias, sliding_window, ...)."""
+    `family`: llama, qwen2, mistral or gemma3; `config`: more config keys (attention_bias, sliding_window, ...)."""
     import torch
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
               num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512, rope_theta=10000.0,
-              rms_norm_eps=1e-6, tie_word_embeddings=tie, bos_token_id=BOS, eos_token_id=EOS, **config)
+              rms_norm_eps=1e-6, tie_word_embeddings=tie, bos_token_id=BOS, eos_token_id=EOS)
+    kw.update(config)
     torch.manual_seed(seed)
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**{"use_sliding_window": False, **kw})).eval()
+    elif family == "gemma3":
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**{"head_dim": hidden // heads, "attn_implementation": "eager",
+                                                      **kw})).eval()
     elif family == "mistral":
         model = MistralForCausalLM(MistralConfig(**kw)).eval()
     else:
