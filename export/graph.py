@@ -23,6 +23,7 @@ from the attention bias' last dimension (+ 1 for the pad query row), so a caller
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,6 +110,40 @@ def host_w8a8_kernel() -> str:
     return "u8s8" if int8_gemm_exact() else "u8u8"
 
 
+_memo: dict | None = None  # quantized large weights, while `reuse_quantization()` is active
+MEMO_MIN = 1 << 20  # elements: smaller weights are re-quantized (cheap) rather than kept
+
+
+@contextmanager
+def reuse_quantization():
+    """Graphs built inside this block quantize each large weight once: an export builds its target up to three
+    times (the KV-scale probe, the pad-row probe, the graph kept) and its drafters from the same embedding and LM
+    head, and on a 262k-token vocabulary each of those tables takes seconds to quantize."""
+    global _memo
+    outer = _memo
+    _memo = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _memo = outer
+
+
+def _once(fn, w: np.ndarray, *args):
+    """fn(w, *args), remembered for this very array inside `reuse_quantization()` (the array is kept with the
+    result, so its id cannot be reused by another)."""
+    if _memo is None or w.size < MEMO_MIN:
+        return fn(w, *args)
+    key = (fn.__name__, id(w), args)
+    hit = _memo.get(key)
+    if hit is None or hit[0] is not w:
+        hit = _memo[key] = (w, fn(w, *args))
+    return hit[1]
+
+
+def _scaled(w: np.ndarray, scale: float) -> np.ndarray:
+    return w * np.float32(scale)
+
+
 class _Builder:
     def __init__(self, opts: GraphOptions, float_type: int):
         self.o = opts
@@ -149,10 +184,10 @@ class _Builder:
         if bits == 4 and self.o.block_min and not self.o.symmetric and k % self.o.block_size == 0:
             return self.linear_block_min(x, w, name)
         if self.o.symmetric:
-            b, s = quantize_blockwise(w, bits, self.o.block_size)
+            b, s = _once(quantize_blockwise, w, bits, self.o.block_size)
             extra = []
         else:
-            b, s, z = quantize_asymmetric(w, bits, self.o.block_size)
+            b, s, z = _once(quantize_asymmetric, w, bits, self.o.block_size)
             extra = [self.init(f"{name}.zero_points", z)]
         q = [self.init(f"{name}.qweight", b), self.init(f"{name}.scales", s.astype(self.np_ft))] + extra
         return self.node("MatMulNBits", [x] + q, domain=MS, name=name, K=k, N=n, bits=bits,
@@ -167,7 +202,7 @@ class _Builder:
         ~0.5-0.7 ms more per call on a 2-core CPU (2 small ops per linear, K + 32 or + 64)."""
         n, k = w.shape
         bs = self.o.block_size
-        b, s, z, extra = quantize_block_min(w, bs)
+        b, s, z, extra = _once(quantize_block_min, w, bs)
         sums_name = f"block_sums_{k}"
         if sums_name not in self._constants:  # too large to be compared on reuse: created once per K
             self.init(sums_name, block_sum_matrix(k, bs, extra, self.np_ft))
@@ -238,10 +273,10 @@ class _Builder:
                              axis=0)[0]
         v, nb = w.shape[0], w.shape[1] // self.o.block_size
         if self.o.symmetric:
-            b, scales = quantize_blockwise(w, bits, self.o.block_size)
+            b, scales = _once(quantize_blockwise, w, bits, self.o.block_size)
             z = None
         else:
-            b, scales, z = quantize_asymmetric(w, bits, self.o.block_size)
+            b, scales, z = _once(quantize_asymmetric, w, bits, self.o.block_size)
             if bits == 4:  # MatMulNBits packs two blocks' zero points per byte; here one per block (low nibble)
                 z = unpack4(z.reshape(v, -1), nb)
         inputs = [self.init("embed_tokens.qweight", b), "input_ids",
@@ -378,7 +413,7 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
     # while sharing would keep the head's whole packed table resident (measured: +28 MB RSS)
     # Gemma scales its embeddings by sqrt(hidden): folded into the table (the tied LM head keeps the unscaled rows)
     table = w["model.embed_tokens.weight"]
-    h = g.embedding(table * np.float32(c.embed_scale) if c.embed_scale != 1 else table,
+    h = g.embedding(_once(_scaled, table, c.embed_scale) if c.embed_scale != 1 else table,
                     opts.embedding_bits(c.hidden) or None)
     residual = h
     x = g.node("SimplifiedLayerNormalization", [h, g.init("l0.input_norm", w["model.layers.0.input_layernorm.weight"].astype(g.np_ft))],

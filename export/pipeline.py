@@ -29,7 +29,8 @@ from . import calibration, distill, kvquant, reference, smooth
 from .checkpoint import Checkpoint, load_checkpoint
 from .provenance import VERIFY_SIZES, converter_versions, source_digest
 from .evaluate import GraphRunner, parity, rank_vocabulary
-from .graph import GRAPH_VERSION, KV_CACHES, PRECISIONS, GraphOptions, build_graph, host_w8a8_kernel, save_model
+from .graph import (GRAPH_VERSION, KV_CACHES, PRECISIONS, GraphOptions, build_graph, host_w8a8_kernel,
+                    reuse_quantization, save_model)
 from .tokenizer import write_tokenizer
 
 # "auto": the candidates (AUTO_PRECISIONS) are built and measured on this host, and the fastest whose top-1 agreement
@@ -395,6 +396,11 @@ def _smoothing(opts: ExportOptions) -> bool:
 
 def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: Checkpoint | None) -> Manifest:
     """The builder path: checkpoint → graphs, drafters, tokenizer, parity, manifest, all inside `part`."""
+    with reuse_quantization():
+        return _build_graphs(source, part, opts, steps, checkpoint)
+
+
+def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: Checkpoint | None) -> Manifest:
     distilling = opts.distill and bool(opts.drafters)
     t0 = time.time()
     steps.start("loading checkpoint")
@@ -668,8 +674,9 @@ def _target_candidate(ck: Checkpoint, opts: ExportOptions, part: Path, max_len: 
     # graphs built only to be measured live in a scratch directory beside the export, never inside it
     with tempfile.TemporaryDirectory(prefix="edgespec-probe-") as scratch:
         probe = Path(scratch) / "model.onnx"
-        if gopts.kv_cache == "int8":  # scales from the float-cache graph's own K/V
-            save_model(build_graph(ck, replace(gopts, kv_cache="float32", pad_query=False)), str(probe))
+        if gopts.kv_cache == "int8":  # scales from the float-cache graph's own K/V (its head: one id, unread)
+            save_model(build_graph(ck, replace(gopts, kv_cache="float32", pad_query=False, topk=0),
+                                   vocab_ids=np.zeros(1, np.int64)), str(probe))
             kv_scales = kvquant.kv_scales(GraphRunner(str(probe), c.layers, c.kv_heads, c.head_dim, opts.threads),
                                           calib)
             _remove_graph(probe)

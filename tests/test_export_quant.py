@@ -645,3 +645,28 @@ def test_graph_with_partial_blocks_equals_dequantized_reference(odd_checkpoints,
     qck = _dequantized(ck, opts.bits, opts)
     for ids in (np.arange(5, 40), np.random.default_rng(1).integers(0, VOCAB, 23)):
         np.testing.assert_allclose(r.logits(ids), reference.forward(qck, ids), atol=1e-4, rtol=0)
+
+
+def test_builds_inside_reuse_quantization_quantize_a_large_table_once(tiny_llama, monkeypatch):
+    """The tied embedding/head table, built into two graphs inside `reuse_quantization()`, is quantized once and the
+    graphs are the same; outside it, every use quantizes again."""
+    from export import graph
+
+    table = []
+    real = graph.quantize_asymmetric
+
+    def counted(w, *args):
+        table.append(w.shape == (VOCAB, 64))
+        return real(w, *args)
+
+    monkeypatch.setattr(graph, "quantize_asymmetric", counted)
+    monkeypatch.setattr(graph, "MEMO_MIN", VOCAB * 64)  # the tiny model's table counts as large, its layers do not
+    opts = GraphOptions(precision="int8", max_len=64)
+    with graph.reuse_quantization():
+        a = build_graph(tiny_llama, opts)
+        b = build_graph(tiny_llama, opts)
+    assert sum(table) == 1 and len(table) > 1
+    assert a.SerializeToString() == b.SerializeToString()
+    table.clear()
+    build_graph(tiny_llama, opts)
+    assert sum(table) == 2  # embedding and head
