@@ -14,8 +14,8 @@ from edge.manifest import ModelDirError, load_manifest
 
 from .checkpoint import CheckpointError, default_gguf_path
 from .graph import GRAPH_VERSION, KV_CACHES, PRECISIONS, W8A8_KERNELS
-from .pipeline import (AUTO_PRECISIONS, DEFAULT_DRAFTER, DEFAULT_KV_CACHE, DEFAULT_PRECISION, FIDELITY_FLOOR,
-                       PAD_ROWS, ExportOptions, export_lock, export_model, source_digest)
+from .pipeline import (AUTO_PRECISIONS, DEFAULT_DRAFTER, DEFAULT_KV_CACHE, DEFAULT_PRECISION, FALLBACK_PRECISION,
+                       FIDELITY_FLOOR, PAD_ROWS, ExportOptions, export_lock, export_model, source_digest)
 
 
 def _reusable(out: Path, source: Path, opts: ExportOptions) -> bool:
@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"weight precision (default {DEFAULT_PRECISION}; int4 --via optimum): auto = build "
                          f"{' and '.join(AUTO_PRECISIONS)} targets on this machine, measure each one's parity against "
                          f"the fp32 source and its call latency, and keep the fastest whose top-1 agreement reaches "
-                         f"{FIDELITY_FLOOR} (the decision and its figures go into the manifest's 'choice'); int4/int8 "
+                         f"{FIDELITY_FLOOR}, or, when neither does, {FALLBACK_PRECISION} too (the decision and its "
+                         "figures go into the manifest's 'choice'); int4/int8 "
                          "= MatMulNBits block weights; w8a8 = int8 weights per channel with int8 activations per row "
                          "(integer accumulation: exact for speculation, cheap multi-token verify calls)")
     ap.add_argument("--pad-row", choices=PAD_ROWS, default="auto",

@@ -154,7 +154,8 @@ class _Steps:
             self.bar.update(1)
 
     def drop(self, n: int):
-        """`n` counted steps turned out not to be needed (a drafter graph that another one already is)."""
+        """`n` counted steps turned out not to be needed (a drafter graph that another one already is); a negative
+        `n` adds steps that turned out to be needed (the fallback precision)."""
         self.total -= n
         if self.bar is not None:
             self.bar.total = self.total
@@ -446,6 +447,13 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
                                                 if p == opts.precision else None), part, max_len, calib, held, ref,
                                     steps)
                   for p in (AUTO_PRECISIONS if opts.precision == "auto" else (opts.precision,))]
+    if opts.precision == "auto" and not any(t.fidelity >= FIDELITY_FLOOR for t in candidates):
+        # neither fast precision is faithful to this model (Gemma 3: int4 re-quantizes its 5- and 6-bit GGUF
+        # blocks, w8a8's per-row activation scales meet its activation outliers): 8-bit blocks with per-block
+        # activation scales, at the cost of twice int4's weight bytes
+        steps.drop(-1)
+        candidates.append(_target_candidate(ck, replace(opts, precision=FALLBACK_PRECISION, w8a8_kernel=None),
+                                            part, max_len, calib, held, ref, steps))
     chosen = choose_target(candidates)
     # the decision and its evidence, host named: a cached default export is rebuilt where another host decides
     choice = {"host": host_signature(), "precision": chosen.opts.precision, "pad_row": chosen.graph_opts.pad_query,
@@ -594,6 +602,7 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
 
 # `--precision auto`: the candidates the exporter builds, measures and chooses between on the host it runs on
 AUTO_PRECISIONS = ("int4", "w8a8")
+FALLBACK_PRECISION = "int8"  # built too when no AUTO_PRECISIONS candidate reaches FIDELITY_FLOOR
 FIDELITY_FLOOR = 0.93  # parity top-1 against the fp32 source a chosen precision must reach (if any candidate does)
 # the chain acceptance per draft token that prices speculation when candidates are compared (hybrid's typical rate)
 CHOICE_ACCEPTANCE = 0.6

@@ -77,7 +77,9 @@ def test_auto_export_records_its_choice_and_evidence(auto_export):
     d, m = auto_export
     ch = m.choice
     assert ch["host"] == pipeline.host_signature()
-    assert [c["precision"] for c in ch["candidates"]] == list(pipeline.AUTO_PRECISIONS)
+    first = ch["candidates"][: len(pipeline.AUTO_PRECISIONS)]
+    fallback = [pipeline.FALLBACK_PRECISION] if all(c["top1_agreement"] < FIDELITY_FLOOR for c in first) else []
+    assert [c["precision"] for c in ch["candidates"]] == list(pipeline.AUTO_PRECISIONS) + fallback
     assert ch["precision"] == m.target.precision
     for c in ch["candidates"]:
         assert 0 <= c["top1_agreement"] <= 1 and c["expected_tokens_per_s"] > 0
@@ -89,7 +91,20 @@ def test_auto_export_records_its_choice_and_evidence(auto_export):
     assert by[ch["precision"]] is max(pool, key=key)
     assert m.target.kv_dtype == ch["kv_cache"] == "int8"
     assert m.source["options"]["precision"] == "auto"  # the request is recorded, the choice beside it
-    assert not any(Path(d, p).exists() for p in ("candidate-int4", "candidate-w8a8"))
+    assert not any(Path(d, p).exists() for p in ("candidate-int4", "candidate-w8a8", "candidate-int8"))
+
+
+def test_auto_export_falls_back_to_int8_when_no_candidate_is_faithful(tmp_path, tiny_llama_dir, monkeypatch):
+    """A floor no fast candidate reaches: the export builds the fallback precision too and, none being at the
+    floor, keeps the most faithful of the three."""
+    from export.pipeline import export_model
+
+    monkeypatch.setattr(pipeline, "FIDELITY_FLOOR", 1.01)
+    m = export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(precision="auto", drafters=()),
+                     progress=False)
+    cands = m.choice["candidates"]
+    assert [c["precision"] for c in cands] == list(pipeline.AUTO_PRECISIONS) + [pipeline.FALLBACK_PRECISION]
+    assert m.target.precision == max(cands, key=lambda c: c["top1_agreement"])["precision"]
 
 
 def test_the_pad_row_choice_agrees_with_what_the_graph_computes(auto_export, shared_kv, tiny_llama):
