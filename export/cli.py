@@ -15,7 +15,8 @@ from edge.manifest import ModelDirError, load_manifest
 from .checkpoint import CheckpointError, default_gguf_path
 from .graph import GRAPH_VERSION, KV_CACHES, PRECISIONS, W8A8_KERNELS
 from .pipeline import (AUTO_PRECISIONS, DEFAULT_DRAFTER, DEFAULT_KV_CACHE, DEFAULT_PRECISION, FALLBACK_PRECISION,
-                       FIDELITY_FLOOR, PAD_ROWS, ExportOptions, export_lock, export_model, source_digest)
+                       FIDELITY_FLOOR, HEAD_DRAFTER_VOCAB, PAD_ROWS, ExportOptions, export_lock, export_model,
+                       source_digest)
 
 
 def _reusable(out: Path, source: Path, opts: ExportOptions) -> bool:
@@ -129,11 +130,15 @@ def _parser() -> argparse.ArgumentParser:
                     help="context capacity the graphs support (default 8192; never more than the model's own "
                          "context: its max_position_embeddings, or its sliding window)")
     ap.add_argument("--drafter-layers", type=layer_count, nargs="*", default=None, metavar="LAYERS",
-                    help=f"early-exit drafter depth(s) in layers (default {DEFAULT_DRAFTER[0]}; none: no early-exit "
-                         "drafter)")
-    ap.add_argument("--drafter-vocab", type=non_negative_int, nargs="*", default=[DEFAULT_DRAFTER[1]],
-                    help=f"trimmed drafter vocabulary size(s) (default {DEFAULT_DRAFTER[1]}; 0, or a size at or "
-                         "above the model's vocabulary = full)")
+                    help=f"drafter depth(s) in layers (none: no drafter graph). Default, with no --drafter-vocab "
+                         f"either: the exporter picks for the model, an early exit of {DEFAULT_DRAFTER[0]} layers "
+                         f"with {DEFAULT_DRAFTER[1]} tokens where the layers dominate a step, every layer with the "
+                         f"{HEAD_DRAFTER_VOCAB} most frequent tokens where the LM head does (a large vocabulary on a "
+                         f"small model: Gemma 3 270M); with --drafter-vocab only: {DEFAULT_DRAFTER[0]}")
+    ap.add_argument("--drafter-vocab", type=non_negative_int, nargs="*", default=None,
+                    help=f"trimmed drafter vocabulary size(s), the most frequent target tokens (default "
+                         f"{DEFAULT_DRAFTER[1]} when --drafter-layers is given; 0, or a size at or above the model's "
+                         "vocabulary = full)")
     ap.add_argument("--drafter-checkpoint", nargs="+", default=[], metavar="PATH",
                     help="also export a separate small checkpoint (HF directory or .gguf of the same model family: "
                          "the same tokenizer) as a drafter, whole, its LM head trimmed to each --drafter-vocab size; "
@@ -180,10 +185,14 @@ def main(argv=None) -> int:
         if len(a.drafter_layers) > 1:
             _parser().error("--drafter-layers none means no early-exit drafter: give it alone, or only layer counts")
         a.drafter_layers = []
-    if a.drafter_layers is None:  # the builder's early-exit drafter; the optimum path builds none
-        a.drafter_layers = [] if a.via == "optimum" else [DEFAULT_DRAFTER[0]]
-    drafters = tuple((l, v) for l in (a.drafter_layers or []) for v in (a.drafter_vocab or [0]))
-    drafter_cks = tuple((os.path.abspath(p), v) for p in a.drafter_checkpoint for v in (a.drafter_vocab or [0]))
+    if a.via == "optimum" and a.drafter_layers is None:  # the optimum path builds no early-exit drafter
+        a.drafter_layers = []
+    vocabs = [DEFAULT_DRAFTER[1]] if a.drafter_vocab is None else (a.drafter_vocab or [0])
+    drafters = None  # neither given: the exporter picks for the model (export.pipeline.default_drafters)
+    if a.drafter_layers is not None or a.drafter_vocab is not None:
+        layers = [DEFAULT_DRAFTER[0]] if a.drafter_layers is None else a.drafter_layers
+        drafters = tuple((l, v) for l in layers for v in vocabs)
+    drafter_cks = tuple((os.path.abspath(p), v) for p in a.drafter_checkpoint for v in vocabs)
     if a.default and a.source:
         _parser().error("--default is the embedded model's GGUF: drop SOURCE (or --default)")
     if a.force and (not a.default or a.out):

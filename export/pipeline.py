@@ -44,6 +44,22 @@ PAD_ROWS = ("auto", "on", "off")
 # within noise). Even this one stays below plain decoding for chains (≈ 0.96×): the engine's auto mode prefers
 # lookup/recycling drafts, and the drafter is shipped for `--drafter model` and tree experiments.
 DEFAULT_DRAFTER = (2, 2048)
+# Models whose LM head holds at least as many weights as all their layers (a large vocabulary on a small body: Gemma 3
+# 270M's 262,144 × 640 head against 100M body weights) spend most of each step in the head; their drafter keeps
+# every layer and only this many of the most frequent tokens in its head
+HEAD_DRAFTER_VOCAB = 16384
+
+
+def default_drafters(c) -> tuple[tuple[int, int], ...]:
+    """The drafter the exporter builds when none is asked for: an early exit (DEFAULT_DRAFTER) where the layers
+    dominate a step's cost, the whole body with a trimmed head (HEAD_DRAFTER_VOCAB) where the LM head does."""
+    q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
+    body = c.layers * (c.hidden * (2 * q + 2 * kv) + 3 * c.hidden * c.intermediate)
+    if c.vocab * c.hidden >= body and c.vocab > HEAD_DRAFTER_VOCAB:
+        return ((c.layers, HEAD_DRAFTER_VOCAB),)
+    return (DEFAULT_DRAFTER,)
+
+
 # ... at 128 cached tokens and again at this many (each row reads the whole cache: the planner interpolates between
 # the two and extends beyond at their slope, so a long chat is not priced like a short one without edge-profile)
 VERIFY_LONG_CONTEXT = 1024
@@ -59,7 +75,8 @@ class ExportOptions:
     smooth: bool = True  # w8a8: even out the target's (and its early-exit drafters') linear inputs (export/smooth.py);
     # a separate --drafter-checkpoint is not smoothed
     max_len: int = 8192  # KV capacity (capped by the model's own max positions)
-    drafters: tuple[tuple[int, int], ...] = (DEFAULT_DRAFTER,)  # (layers, vocab); vocab 0 = full
+    # (layers, vocab); vocab 0 = full. None: the exporter picks for the model (`default_drafters`)
+    drafters: tuple[tuple[int, int], ...] | None = None
     # separate small checkpoints (HF dir or .gguf) sharing the target's tokenizer, each exported whole with its LM
     # head trimmed to the target's most frequent tokens: (path, vocab); vocab 0 = full
     drafter_checkpoints: tuple[tuple[str, int], ...] = ()
@@ -92,7 +109,8 @@ class ExportOptions:
         for field_name in ("max_len", "calib_new_tokens", "threads"):
             if getattr(self, field_name) < 1:
                 raise ValueError(f"{field_name}={getattr(self, field_name)}: must be at least 1")
-        bad = [d for d in self.drafters if d[0] < 1 or d[1] < 0] + [d for d in self.drafter_checkpoints if d[1] < 0]
+        bad = [d for d in self.drafters or () if d[0] < 1 or d[1] < 0] + \
+            [d for d in self.drafter_checkpoints if d[1] < 0]
         if bad:
             raise ValueError(f"drafter {bad[0]}: layers must be at least 1 and vocab at least 0 (0 = full vocabulary)")
         if self.w8a8_kernel is None and self.precision == "w8a8":
@@ -101,7 +119,7 @@ class ExportOptions:
     def recorded(self) -> dict:
         """The options as the manifest records them (JSON lists; the checkpoint list only when there is one, so
         exports from before it existed still compare equal)."""
-        d = {**asdict(self), "drafters": [list(x) for x in self.drafters],
+        d = {**asdict(self), "drafters": "auto" if self.drafters is None else [list(x) for x in self.drafters],
              "drafter_checkpoints": [[str(p), k] for p, k in self.drafter_checkpoints]}
         if not self.drafter_checkpoints:
             del d["drafter_checkpoints"]
@@ -374,9 +392,10 @@ def _export_locked(source, out_dir, opts: ExportOptions, progress: bool, checkpo
         steps = _Steps(6, progress)
         build = lambda: export_via_optimum(source, part, opts, steps)  # noqa: E731
     else:
-        distilling = opts.distill and bool(opts.drafters)
+        drafters = 1 if opts.drafters is None else len(opts.drafters)  # the exporter picks one
+        distilling = opts.distill and bool(drafters)
         candidates = len(AUTO_PRECISIONS) if opts.precision == "auto" else 1
-        steps = _Steps(4 + candidates + (3 if distilling else 2) * len(opts.drafters) + distilling
+        steps = _Steps(4 + candidates + (3 if distilling else 2) * drafters + distilling
                        + 2 * len(opts.drafter_checkpoints), progress)
         build = lambda: _build(source, part, opts, steps, checkpoint)  # noqa: E731
     try:
@@ -402,11 +421,17 @@ def _build(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: C
 
 
 def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkpoint: Checkpoint | None) -> Manifest:
-    distilling = opts.distill and bool(opts.drafters)
     t0 = time.time()
     steps.start("loading checkpoint")
     ck = checkpoint or load_checkpoint(source)
     c = ck.config
+    requested = opts
+    if opts.drafters is None:
+        opts = replace(opts, drafters=default_drafters(c))
+    # an adapter corrects an early exit toward the last layer: a drafter with every layer has nothing to correct
+    distilling = opts.distill and any(n < c.layers for n, _ in opts.drafters)
+    if opts.distill and not distilling and opts.drafters:
+        steps.drop(1 + len(opts.drafters))  # the data step and each drafter's fit
     max_len = min(opts.max_len, c.max_positions)
     bad = [n for n, _ in opts.drafters if not 1 <= n <= c.layers]
     if bad:  # before the long steps (and the distillation probe, which reads layer n's output)
@@ -441,7 +466,6 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
     prompts = [p[-room:] for p in prompts]
     calib, held = prompts[: -calibration.HELD_OUT], prompts[-calibration.HELD_OUT :]
 
-    requested = opts
     ref = [reference.forward(ck, ids) for ids in held[:3]] if opts.parity or opts.precision == "auto" else []
     candidates = [_target_candidate(ck, replace(opts, precision=p, w8a8_kernel=opts.w8a8_kernel
                                                 if p == opts.precision else None), part, max_len, calib, held, ref,
@@ -494,7 +518,7 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
     if distilling:
         steps.start("distillation data (target hidden states)")
         t = time.perf_counter()
-        fit_data = _distill_data(part / target_file, c, sorted({n for n, _ in opts.drafters}),
+        fit_data = _distill_data(part / target_file, c, sorted({n for n, _ in opts.drafters if n < c.layers}),
                                  [(ids, gen) for _, gen, ids in produced[: len(calib)]], opts.threads)
         fit_data["seconds"] = time.perf_counter() - t
         steps.done()
@@ -531,7 +555,9 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
                  "vocab_coverage": round(float(covered.mean()), 4), "held_out_positions": int(covered.size)}
         steps.done()
 
-        if fit_data is not None:
+        if fit_data is not None and layers == c.layers:
+            steps.drop(1)
+        elif fit_data is not None:
             steps.start(f"drafter {name}: distillation")
             t = time.perf_counter()
             fit = distill.fit_adapter(fit_data["hidden"][layers], fit_data["hidden"][c.layers], fit_data["teacher"],
