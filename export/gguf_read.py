@@ -111,16 +111,23 @@ def read_gguf(path: str | os.PathLike, tensors: bool = True) -> GGUFFile:
     """Parse a GGUF file's metadata (and, with `tensors`, its tensor directory as views of a memory map)."""
     path = Path(path)
     with open(path, "rb") as fh:
+        if os.fstat(fh.fileno()).st_size == 0:
+            raise GGUFFormatError(f"{path}: empty file, not a GGUF")
         mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    g = None
     try:
-        return _parse(path, mm, tensors)
+        g = _parse(path, mm, tensors)
+        return g
+    except GGUFFormatError:
+        raise
     except (struct.error, UnicodeDecodeError, ValueError) as e:
-        if isinstance(e, GGUFFormatError):
-            raise
         raise GGUFFormatError(f"{path}: malformed GGUF ({e})") from e
     finally:
-        if not tensors:
-            mm.close()
+        if g is None or not g.tensors:  # nothing maps the file: close it now, not at garbage collection
+            try:
+                mm.close()
+            except BufferError:  # a view made before a failure still holds it; it closes with that view
+                pass
 
 
 def _parse(path: Path, mm, want_tensors: bool) -> GGUFFile:

@@ -78,6 +78,10 @@ def test_not_a_gguf(tmp_path):
     bad.write_bytes(b"NOPE" + bytes(40))
     with pytest.raises(GGUFFormatError, match="bad magic"):
         read_gguf(bad)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(GGUFFormatError, match="empty"):
+        read_gguf(empty)
     good = tmp_path / "t.gguf"
     import gguf
 
@@ -86,3 +90,8 @@ def test_not_a_gguf(tmp_path):
     cut.write_bytes(good.read_bytes()[:200])
     with pytest.raises(GGUFFormatError):
         read_gguf(cut, tensors=False)
+    data = good.read_bytes()  # the metadata whole, the last tensor's data cut short
+    cut.write_bytes(data[:-40])  # (past the padding after it)
+    read_gguf(cut, tensors=False)
+    with pytest.raises(GGUFFormatError, match="runs past the end"):
+        read_gguf(cut)
