@@ -1,6 +1,7 @@
 """Tokenizer files for an export: a `tokenizer.json` the runtime's `tokenizers` can read, plus chat template and
-special token ids. From a Hugging Face directory it is copied; from a GGUF it is converted by transformers'
-GGUF tokenizer converter (tokenizer only: no torch, no hub)."""
+special token ids. From a Hugging Face directory it is copied; from a GGUF it is built from the GGUF's vocabulary:
+a SentencePiece-BPE vocabulary of an architecture in `SPM_BPE_ARCHS` by `export.spm` (tokenizing as llama.cpp
+does), any other by transformers' GGUF tokenizer converter (tokenizer only: no torch, no hub)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,16 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import Checkpoint, CheckpointError, gguf_fields
+import numpy as np
+
+from .checkpoint import Checkpoint, CheckpointError
+from .gguf_read import GGUFFormatError, read_gguf
+
+# GGUF architectures whose "llama" (SentencePiece) vocabulary is BPE: transformers' converter builds a Unigram model
+# from their scores, which splits words into near-characters; export.spm builds the BPE model llama.cpp runs
+SPM_BPE_ARCHS = frozenset({"gemma3"})
+# GGUF architectures transformers' GGUF loader keeps as the model type (its converter table is keyed by model type)
+_SAME_NAME_ARCHS = frozenset({"llama", "qwen2"})
 
 
 @dataclass(frozen=True)
@@ -56,15 +66,25 @@ def write_tokenizer(ck: Checkpoint, out_dir: Path) -> TokenizerFiles:
     if ck.source_format == "hf":
         return hf_tokenizer_files(src, out_dir, json.loads((src / "config.json").read_text()))
 
-    # GGUF → tokenizer.json via transformers' GGUF tokenizer converter
-    backend = _gguf_backend_tokenizer(src)
-    from tokenizers import processors
+    try:
+        f = read_gguf(src, tensors=False).fields  # metadata only: the vocabulary is read once, here
+    except (OSError, GGUFFormatError) as e:
+        raise CheckpointError(f"{src}: cannot read the GGUF's tokenizer ({e})") from e
+    if f.get("general.architecture") in SPM_BPE_ARCHS and f.get("tokenizer.ggml.model") == "llama":
+        from .spm import SpmVocabError, spm_tokenizer
 
-    f = gguf_fields(src)
-    if not f.get("tokenizer.ggml.add_bos_token", False):
-        # the GGUF says no BOS; transformers' converter adds one in its post-processor regardless
-        backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    backend.save(str(out))
+        try:
+            backend = spm_tokenizer(f)
+        except SpmVocabError as e:
+            raise CheckpointError(f"{src}: {e}") from e
+    else:
+        backend = _gguf_backend_tokenizer(src, f)
+        if not f.get("tokenizer.ggml.add_bos_token", False):
+            from tokenizers import processors
+
+            # the GGUF says no BOS; transformers' converter adds one in its post-processor regardless
+            backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.save(str(out), pretty=False)
     eos = f.get("tokenizer.ggml.eos_token_id")
     return TokenizerFiles(
         chat_template=f.get("tokenizer.chat_template"),
@@ -74,9 +94,12 @@ def write_tokenizer(ck: Checkpoint, out_dir: Path) -> TokenizerFiles:
     )
 
 
-def _gguf_backend_tokenizer(src: Path):
+def _gguf_backend_tokenizer(src: Path, fields: dict | None = None):
     """transformers' converter, called directly: `AutoTokenizer.from_pretrained(gguf_file=...)` refuses to run
-    without torch although reading the metadata needs none, and the first-run export must not pull in torch."""
+    without torch although reading the metadata needs none, and the first-run export must not pull in torch.
+    For an architecture whose transformers model type is its own name the converter is given the tokenizer fields
+    read here (`fields`, or read now), renamed by transformers' own table, instead of letting transformers open the
+    file again with `gguf.GGUFReader` (seconds more on a large vocabulary)."""
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch not found" banner on a runtime install
     try:
         from transformers import modeling_gguf_pytorch_utils as gguf_utils
@@ -84,6 +107,24 @@ def _gguf_backend_tokenizer(src: Path):
     except ImportError as e:
         raise CheckpointError("converting a GGUF tokenizer needs transformers: pip install 'transformers<5'") from e
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if fields is None:
+        try:
+            fields = read_gguf(src, tensors=False).fields
+        except (OSError, GGUFFormatError) as e:
+            raise CheckpointError(f"{src}: cannot read the GGUF's tokenizer ({e})") from e
+    arch = fields.get("general.architecture")
+    if arch in _SAME_NAME_ARCHS:
+        tokenizer = {}
+        for key, name in gguf_utils.GGUF_TO_TRANSFORMERS_MAPPING["tokenizer"]["tokenizer"].items():
+            value = fields.get("tokenizer." + key)
+            if value is None or name is None or name == -1:
+                continue
+            if isinstance(value, np.ndarray):
+                value = value.tolist()
+            if isinstance(value, list) and len(value) == 1:  # as transformers' reader unwraps one-item arrays
+                value = value[0]
+            tokenizer[name] = value
+        return convert_gguf_tokenizer(arch, tokenizer)[0]
     real = gguf_utils.is_torch_available
     gguf_utils.is_torch_available = lambda: True  # only guards an import; return_tensors=False touches no torch
     try:
