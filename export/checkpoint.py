@@ -418,26 +418,19 @@ _GGUF_GEMMA3_NAMES = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
 GGUF_ARCHITECTURES = ("llama", "qwen2", "gemma3")
 
 
-def gguf_fields(path: str | os.PathLike) -> dict:
-    """Every metadata field of a GGUF file (read once per process: `export.gguf_file.open_gguf`)."""
-    from .gguf_file import open_gguf
-
-    return open_gguf(path).fields
-
-
 def load_gguf(path: str | os.PathLike) -> Checkpoint:
     try:
-        import gguf  # noqa: F401  (de-quantization)
+        from gguf.quants import dequantize
     except ImportError as e:  # pragma: no cover - dependency message
         raise CheckpointError("reading GGUF needs the `gguf` package: pip install gguf") from e
-    from .gguf_file import open_gguf
+    from .gguf_read import GGUFFormatError, read_gguf
 
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such GGUF file")
     try:
-        r = open_gguf(path)
-    except Exception as e:
+        r = read_gguf(path)
+    except (OSError, GGUFFormatError) as e:
         raise CheckpointError(f"{path}: not a readable GGUF file ({e})") from e
     f = r.fields
     arch = f.get("general.architecture")
@@ -461,7 +454,8 @@ def load_gguf(path: str | os.PathLike) -> Checkpoint:
     names = _GGUF_GEMMA3_NAMES if arch == "gemma3" else _GGUF_NAMES
     weights: dict[str, np.ndarray] = {}
     for t in r.tensors:
-        arr = r.dequantize(t)
+        shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dims innermost-first
+        arr = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False).reshape(shape)
         name = t.name
         if name == "rope_freqs.weight":  # llama.cpp's per-frequency rope divisors (Llama 3.1's rope scaling)
             rope_freqs = tuple(float(x) for x in arr.reshape(-1))

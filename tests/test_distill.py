@@ -189,8 +189,8 @@ def test_export_without_distillation_is_the_plain_early_exit(tmp_path, tiny_llam
 
 
 def test_export_leaves_a_full_depth_drafter_uncorrected(tmp_path, tiny_llama_dir, tiny_llama):
-    """A 'drafter' with every layer and the full vocabulary is the target: it already agrees on every position, so
-    cross-validation finds nothing to gain and the exporter must not bake in an adapter."""
+    """A 'drafter' with every layer and the full vocabulary is the target: it already agrees on every position, and
+    an adapter corrects an early exit toward the last layer, so the exporter fits none."""
     layers = tiny_llama.config.layers
     m = export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(drafters=((layers, 0),), parity=False),
                      progress=False)
