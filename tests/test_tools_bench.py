@@ -164,14 +164,16 @@ class _Chat:
 
 
 class _Engine:
-    """Drafter state: the prompts the drafters learnt from; every ask is recorded with the state it started from."""
+    """Drafter state: the prompts the drafters learnt from; every ask is recorded with the state it started from.
+    `chat_template=None`: a base model, whose raw prompts are [0] (its BOS) and one id per character."""
     context = 64
 
-    def __init__(self, too_long=(), tree_exact=False, generated=None):
+    def __init__(self, too_long=(), tree_exact=False, generated=None, chat_template="T"):
         self.learned, self.tested, self.calls = (), {}, []
         self.too_long, self.generated = set(too_long), generated or {}
         self.target = SimpleNamespace(tree_exact=tree_exact, min_call=1)
-        self.manifest = SimpleNamespace(name="fake", target=SimpleNamespace(precision="fp32"))
+        self.manifest = SimpleNamespace(name="fake", target=SimpleNamespace(precision="fp32"),
+                                        chat_template=chat_template)
         self.head_hits = self.head_misses = 0
         self.token_acceptance = SimpleNamespace(tested=lambda: dict(self.tested))
         self.policy = self  # what edge-bench reads of the draft-length policy
@@ -186,13 +188,19 @@ class _Engine:
         assert keep_drafter_state
 
     def chat(self):
+        assert self.manifest.chat_template is not None, "a chat on a model without a chat template"
         return _Chat(self)
+
+    def generate(self, text, raw=False, **kw):
+        assert raw and self.manifest.chat_template is None, "a raw prompt on a chat model"
+        self.raw_calls = getattr(self, "raw_calls", 0) + 1
+        return _Chat(self).ask(text, **kw)
 
     def _resolve(self, m):
         return m
 
-    def encode(self, messages):
-        return [1, 2, 3]
+    def encode(self, prompt, raw=False):
+        return [0] + [1] * len(prompt) if raw else [1, 2, 3]
 
 
 def _args(**kw):
@@ -316,3 +324,30 @@ def test_main_puts_none_first_adds_the_peers_reference_and_refuses_auto(tmp_path
     doc = json.loads(out.read_text())
     assert doc["modes"] == ["none", "genai-ngram", "genai"]
     assert doc["summary"]["qa"]["genai-ngram"]["identical_to_own_greedy"] == "1/1"
+
+
+def test_a_model_without_a_chat_template_completes_raw_prompts_in_every_mode(tmp_path, quiet_rss):
+    e = _Engine(chat_template=None)
+    rc, doc = _bench(tmp_path, e, _items("p0", "p1"), ["none", "lookup"], reps=1)
+    assert rc == 0 and doc["prompt_format"] == "raw" and e.raw_calls == len(e.calls) == 5  # with the warm-up
+    assert "Prompts completed as raw text" in (tmp_path / "b.md").read_text()
+    _, chat = _bench(tmp_path, _Engine(), _items("p0"), ["none"], reps=1)
+    assert chat["prompt_format"] == "chat"
+
+
+def test_a_raw_prompt_that_does_not_fit_is_skipped_in_every_mode(tmp_path, quiet_rss, capsys):
+    e, long = _Engine(chat_template=None), "x" * 70  # 71 ids with its BOS, the context holds 64
+    rc, doc = _bench(tmp_path, e, _items("p0", long), ["none", "lookup"], reps=1)
+    assert rc == 0 and [s["id"] for s in doc["skipped"]] == [long] and "prompt is 71 tokens" in capsys.readouterr().err
+    assert long not in [t for t, _, _, _ in e.calls]  # refused before the engine was asked
+
+
+def test_peers_get_the_raw_prompts_ids_on_a_model_without_a_chat_template():
+    class Peer:
+        def run(self, ids, max_new, mode, stop=None):
+            self.ids = ids
+            return {"tokens": [5], "n_gen": 1, "decode_s": 0.0, "prefill_s": 0.1}
+
+    p = Peer()
+    (r,) = bench._run_peer(p, _Engine(chat_template=None), {"id": "x", "turns": ["hi"]}, "llama", _args())
+    assert p.ids == [0, 1, 1] and r["prompt_tokens"] == 3

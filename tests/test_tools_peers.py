@@ -336,6 +336,7 @@ def test_runtimes_are_first_turn_medians_with_fidelity_and_each_process_peak():
 class _Engine:
     context = 8
     eos = {2}
+    manifest = SimpleNamespace(chat_template="T")
 
     def encode(self, messages):
         return [1] * len(messages[0]["content"])
@@ -428,6 +429,52 @@ def test_bench_runs_every_peer_with_fidelity_prefill_and_each_runtimes_peak(mode
     assert doc2["reference"]["computed"] == 0 and doc2["reference"]["cached"] == 2
     assert doc2["modes"] == ["none", "llama-q4"] and [p["name"] for p in doc2["peers"]] == ["llama-q4"]
     assert doc2["runtimes"]["llama-q4"]["tokens_before_divergence"] == rt["llama-q4"]["tokens_before_divergence"]
+
+
+def _without_chat_template(model_dir: Path) -> str:
+    """The export as a base model's: no chat template in its manifest."""
+    f = model_dir / "edge_model.json"
+    f.write_text(json.dumps({**json.loads(f.read_text()), "chat_template": None}))
+    return str(model_dir)
+
+
+def test_bench_feeds_every_runtime_the_raw_prompt_of_a_model_without_a_chat_template(model_copy, fakes, capsys):
+    base = _without_chat_template(model_copy)
+    prompts = fakes / "raw.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"r{i}", "category": "code", "turns": [t]}) + "\n"
+                               for i, t in enumerate(["def add(a, b):", "the quick brown fox"])))
+    out = fakes / "b.json"
+    assert bench.main([str(prompts), "--model", base, "--reps", "1", "--max-tokens", "6", "--modes", "none",
+                       "--llama-model", _gguf(fakes / "m.gguf"), "--peer-model", f"{fakes}/genai/int4",
+                       "--out", str(out), "--quiet"]) == 0, capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    assert doc["prompt_format"] == "raw" and doc["modes"] == ["none", "genai", "genai-ngram", "llama"]
+    import edge
+
+    engine = edge.load(base, drafter="none")
+    for pid, text in (("r0", "def add(a, b):"), ("r1", "the quick brown fox")):
+        ids = engine.encode(text, raw=True)
+        assert ids != engine.encode([{"role": "user", "content": text}])  # not the plain "user: ..." lines
+        runs = {r["mode"]: r for r in doc["runs"] if r["id"] == pid}
+        assert {r["prompt_tokens"] for r in runs.values()} == {len(ids)}
+        assert runs["none"]["tokens"] == engine.generate(text, raw=True, max_tokens=6, drafter="none").token_ids
+        assert runs["genai"]["tokens"] == fake_og.answer(ids, 6)
+        assert runs["llama"]["tokens"] == fake_llama.answer(ids, 6)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ([], "prompts x1 have several turns"),  # _prompts' code item is a chat of two turns
+    (["--second-turn", "shorter"], "--second-turn adds a turn"),
+])
+def test_bench_refuses_chat_turns_for_a_model_without_a_chat_template(model_copy, fakes, capsys, extra, needle):
+    prompts = _prompts(fakes)
+    if extra:
+        prompts.write_text(json.dumps({"id": "x0", "category": "qa", "turns": ["the quick brown fox"]}) + "\n")
+    rc = bench.main([str(prompts), "--model", _without_chat_template(model_copy), "--reps", "1", "--max-tokens", "4",
+                     "--out", str(fakes / "b.json"), "--quiet", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "has no chat template" in err and "Traceback" not in err, err
+    assert not (fakes / "b.json").exists()
 
 
 def test_bench_context_flag_sizes_every_runtime(model, fakes, capsys):

@@ -23,6 +23,8 @@ turns' own peak, VmHWM reset before each turn), a peer's its worker's (its peak 
 Writes JSON (per category, per prompt, every run; each turn's own peak RSS where Linux can reset the peak) and a
 markdown table; asserts nothing about speed. A prompt whose turn does not fit the context is left out in every
 mode and listed under `skipped`.
+A model without a chat template (a base model) completes each prompt as raw text instead, encoded with its
+tokenizer's own BOS rule, in every mode and runtime alike; its prompts have one turn each (`prompt_format`).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from ..args import add_version, int_at_least, non_negative_int, positive_int, was_interrupted
@@ -201,15 +204,20 @@ def _with_fidelity(rec: dict, reference: dict | None, end: set) -> dict:
 
 
 def _run_one(engine, it: dict, mode: str, a, rep: int = 0, reference: dict | None = None) -> list[dict]:
-    """One item through one mode: each turn of the item (plus --second-turn) as a chat; one record per turn."""
+    """One item through one mode: each turn of the item (plus --second-turn) as a chat, or on a model without a
+    chat template its one turn completed as a raw prompt; one record per turn."""
     engine.reset(keep_drafter_state=True)  # a long-running assistant keeps Token Recycling's matrix
-    chat = engine.chat()
+    if completes_raw(engine):
+        _budget(engine, _first_ids(engine, it), a.max_tokens)  # a prompt that does not fit: skipped in every mode
+        ask = partial(engine.generate, raw=True)
+    else:
+        ask = engine.chat().ask
     turns = list(it["turns"]) + ([a.second_turn] if a.second_turn else [])
     recs = []
     for t, text in enumerate(turns):
         own_peak = reset_peak_rss()
-        r = chat.ask(text, max_tokens=a.max_tokens, drafter=mode, draft_len=a.draft_len, temperature=a.temp,
-                     top_p=a.top_p, top_k=a.top_k, seed=a.seed + rep + 1000 * t)
+        r = ask(text, max_tokens=a.max_tokens, drafter=mode, draft_len=a.draft_len, temperature=a.temp,
+                top_p=a.top_p, top_k=a.top_k, seed=a.seed + rep + 1000 * t)
         st = r.stats
         recs.append(_with_fidelity({
             "id": it["id"], "category": it.get("category", "?") + (f"+turn{t + 1}" if t else ""),
@@ -230,8 +238,17 @@ def _end_ids(engine) -> set:
     return set(getattr(engine, "eos", ()) or ())
 
 
+def completes_raw(engine) -> bool:
+    """A model without a chat template (a base model) completes each prompt as it is: its text encoded with the
+    tokenizer's own BOS rule, as llama.cpp and transformers encode a prompt, one turn per item."""
+    return engine.manifest.chat_template is None
+
+
 def _first_ids(engine, it: dict) -> list[int]:
-    """The ids of the item's first turn as a chat's first turn sends them (what every peer is fed)."""
+    """The ids of the item's first turn as a chat's first turn sends them, or its raw prompt's on a model without
+    a chat template (what every runtime is fed)."""
+    if completes_raw(engine):
+        return engine.encode(it["turns"][0], raw=True)
     return engine.encode([{"role": "user", "content": it["turns"][0]}])
 
 
@@ -245,8 +262,9 @@ def _budget(engine, ids: list[int], max_tokens: int) -> int:
 
 
 def _run_peer(peer: Peer, engine, it: dict, mode: str, a, reference: dict | None = None) -> list[dict]:
-    """The item's first turn through the peer, on the ids edgespec's template gives it (the same as a chat's first
-    turn); one record shaped like _run_one's, without edgespec's step counters. Its peak RSS is the worker's."""
+    """The item's first turn through the peer, on the ids edgespec gives it (_first_ids: the same as a chat's first
+    turn, or the raw prompt's); one record shaped like _run_one's, without edgespec's step counters. Its peak RSS is
+    the worker's."""
     ids = _first_ids(engine, it)
     r = peer.run(ids, _budget(engine, ids, a.max_tokens), mode, stop=sorted(_end_ids(engine)))
     n, dec = r.get("n_gen", len(r["tokens"])), r["decode_s"]  # n_gen: its end token counted, as ours is
@@ -566,6 +584,12 @@ def _main(a) -> int:
     except EngineError as e:  # a ModelDirError too
         print(f"edge-bench: error: {e}", file=sys.stderr)
         return 2
+    chats = [str(it["id"]) for it in items if len(it["turns"]) > 1]
+    if completes_raw(engine) and (chats or a.second_turn):
+        what = f"prompts {', '.join(chats[:5])} have several turns" if chats else "--second-turn adds a turn"
+        print(f"edge-bench: error: {what}, but {a.model or 'the model'} has no chat template: it completes one raw "
+              "prompt per item; give single-turn prompts", file=sys.stderr)
+        return 2
     reference = ref_info = None
     if a.reference_hf:  # before any worker starts: its process is gone before the timed runs begin
         try:
@@ -790,6 +814,7 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
     legacy = [p for p in peer_info or [] if p["name"] == "genai"]  # one unlabeled onnxruntime-genai folder
     doc = {"summary": summary, "modes": modes, "reps": a.reps, "max_tokens": a.max_tokens,
            "model": m.name, "precision": m.target.precision, "threads": a.threads,
+           "prompt_format": "raw" if completes_raw(engine) else "chat",
            "peak_rss_mb": round(max([start_peak, peak_rss_mb()] + ours), 1), "context": engine.context,
            "wall_s": round(time.time() - t0, 1),
            "min_call": engine.target.min_call, "cold": a.cold, "interrupted": interrupted, "failed": failed,
@@ -806,6 +831,8 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
                                 sorted(learned.items())},
            "per_prompt": per_prompt(runs, uncompared), "runs": runs}
     md = markdown(summary, modes, vs_peer) + "\n\n" + runtimes_markdown(per_runtime, engine.context)
+    if completes_raw(engine):
+        md += "\n\nPrompts completed as raw text (the model has no chat template), BOS as its tokenizer adds it."
     if reference_info:
         md += (f"\n\nFidelity: each mode's first answers against {reference_info['runtime']} on "
                f"{reference_info['hf_dir']}, on the same token ids.")

@@ -1,6 +1,7 @@
 """edge-bench's side of the peer runtimes: each runs in a Python process of its own (onnxruntime-genai in
-edge/tools/peer_genai.py, llama.cpp in edge/tools/peer_llama.py), fed the token ids edgespec's own template gives, so every
-runtime answers the same prompts in one interleaved run, and each worker's peak RSS is its own.
+edge/tools/peer_genai.py, llama.cpp in edge/tools/peer_llama.py), fed the token ids edgespec's own template gives (a
+model without one: its raw prompt's), so every runtime answers the same prompts in one interleaved run, and each
+worker's peak RSS is its own.
 
 Mode names: a peer's greedy mode is `<runtime>-<label>` and its n-gram speculation `<runtime>-<label>-ngram`
 (runtime `genai` or `llama`); one model of a runtime given without a label keeps the short names `genai`,
