@@ -42,3 +42,11 @@ PROMPTS = [
     "Translate to Spanish: Where is the nearest train station?",
 ]
 HELD_OUT = 6
+
+
+def encode(codec, text: str, chat: bool) -> list[int]:
+    """A calibration prompt as the model is used: a user turn of a chat model's template, or, for a completion
+    model (`chat` False: no chat template), the text itself to continue, with BOS as its tokenizer asks."""
+    if chat:
+        return codec.encode_chat([{"role": "user", "content": text}])
+    return codec.encode_prompt(text)

@@ -452,7 +452,7 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
         _check_drafter_checkpoint(Path(p), dck, part / "tokenizer.json", min(opts.max_len, c.max_positions))
     steps.done()
 
-    prompts = [codec.encode_chat([{"role": "user", "content": p}]) for p in calibration.PROMPTS]
+    prompts = [calibration.encode(codec, p, tf.chat_template is not None) for p in calibration.PROMPTS]
     room = max_len - opts.calib_new_tokens  # calibration prompt + continuation must fit the graph's context
     if room < 16:
         cap = (f"--max-len {max_len}" if opts.max_len < c.max_positions else

@@ -28,7 +28,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tf = write_tokenizer(ck, __import__("pathlib").Path(tmp))
         codec = TextCodec(os.path.join(tmp, "tokenizer.json"), tf.chat_template, tf.bos, tf.eos)
-        held = [codec.encode_chat([{"role": "user", "content": p}]) for p in calibration.PROMPTS[-3:]]
+        held = [calibration.encode(codec, p, tf.chat_template is not None) for p in calibration.PROMPTS[-3:]]
         ref = [reference.forward(ck, ids) for ids in held]
         for prec, acc in VARIANTS:
             d = os.path.join(tmp, f"{prec}-a{acc}")

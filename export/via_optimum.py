@@ -225,7 +225,7 @@ def export_via_optimum(source, part: Path, opts, steps) -> Manifest:
     steps.start("parity vs the transformers model")
     sess = OptimumSession(str(part / target_file), arch["layers"], arch["kv_heads"], arch["head_dim"], arch["vocab"],
                           min(max_len, 1024), opts.threads)
-    prompts = [codec.encode_chat([{"role": "user", "content": p}])[-(sess.cache.capacity // 2):]
+    prompts = [calibration.encode(codec, p, tf.chat_template is not None)[-(sess.cache.capacity // 2):]
                for p in calibration.PROMPTS[-calibration.HELD_OUT:][:3]]
     report = {}
     if opts.parity:
