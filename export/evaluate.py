@@ -95,11 +95,16 @@ def parity(reference_logits: list[np.ndarray], exported_logits: list[np.ndarray]
     return {"max_abs_diff": round(diff, 6), "top1_agreement": round(float(agree.mean()), 4), "positions": int(agree.size)}
 
 
-def rank_vocabulary(token_lists: list[list[int]], vocab: int, always: tuple[int, ...] = ()) -> np.ndarray:
-    """Target ids ordered by how often the target produced them (ties: lower id first); `always` ids first."""
-    counts = np.zeros(vocab, np.int64)
+def rank_vocabulary(token_lists: list[list[int]], vocab: int, always: tuple[int, ...] = (),
+                    mass: np.ndarray | None = None) -> np.ndarray:
+    """Target ids ordered by how often the target produced them plus `mass` (the probability it gave each id,
+    summed over positions: a soft count that also ranks the ids it never produced); ties: lower id first;
+    `always` ids first."""
+    counts = np.zeros(vocab, np.float64)
     for toks in token_lists:
         np.add.at(counts, np.asarray(toks, np.int64), 1)
+    if mass is not None:
+        counts += mass
     order = np.lexsort((np.arange(vocab), -counts))
     head = list(dict.fromkeys(t for t in always if 0 <= t < vocab))  # bos may equal eos
     return np.concatenate([np.asarray(head, np.int64), order[~np.isin(order, head)]])

@@ -497,14 +497,20 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
     steps.start("calibration text (target greedy)")
     stop = tf.eos
     produced = []
-    for ids in calib + held:
-        target_next = runner.logits(ids).argmax(-1)  # teacher-forced predictions over the prompt
+    mass = np.zeros(c.vocab, np.float64)  # the target's next-token probabilities, summed over the calibration text
+    for i, ids in enumerate(calib + held):
         gen = runner.greedy(ids, opts.calib_new_tokens, stop)
+        logits = runner.logits(ids + gen[:-1])  # teacher-forced over the prompt and its continuation
+        target_next = logits[: len(ids)].argmax(-1)  # the predictions over the prompt
+        if i < len(calib):
+            p = np.exp(logits - logits.max(-1, keepdims=True))
+            mass += (p / p.sum(-1, keepdims=True)).sum(0)
         produced.append((list(target_next), gen, ids))
     steps.done()
-    # vocabulary ranking: what the target produces (its own continuations + its next-token predictions)
+    # vocabulary ranking: what the target produces (its own continuations + its next-token predictions), then,
+    # among the many ids a few thousand tokens never show, the probability the target gave them
     ranked = rank_vocabulary([p[0] + p[1] for p in produced[: len(calib)]], c.vocab,
-                             always=tuple(tf.eos) + ((tf.bos,) if tf.bos is not None else ()))
+                             always=tuple(tf.eos) + ((tf.bos,) if tf.bos is not None else ()), mass=mass)
     # held-out text: prompt + the target's own continuation. Agreement is scored where the target generated
     # (the positions a drafter proposes for), not over the system prompt every chat shares.
     held_text = [ids + gen for _, gen, ids in produced[len(calib) :]]

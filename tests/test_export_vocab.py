@@ -118,6 +118,13 @@ def test_rank_vocabulary_always_with_repeats_is_a_permutation():
     assert got.tolist()[:3] == [2, 1, 3]
 
 
+def test_rank_vocabulary_ranks_unproduced_ids_by_probability_mass():
+    """Ids the target never produced follow the ones it did, most probable first; mass adds to the counts."""
+    mass = np.array([0.0, 0.1, 0.5, 0.2, 0.0, 0.3])
+    assert rank_vocabulary([[4, 4, 0]], 6, mass=mass).tolist() == [4, 0, 2, 5, 3, 1]
+    assert rank_vocabulary([[1]], 3, mass=np.array([0.0, 0.0, 1.5])).tolist() == [2, 1, 0]
+
+
 def test_rank_vocabulary_is_a_permutation_randomized():
     rng = np.random.default_rng(0)
     for _ in range(50):
@@ -137,7 +144,8 @@ def test_rank_vocabulary_is_a_permutation_randomized():
 def _recompute(d, m, ck, n_new: int) -> dict:
     """An export's calibration/held-out text and target predictions, recomputed from its exported target graph
     (fp32, deterministic) the way the manifest documents them: each chat prompt's last max_len - n_new tokens,
-    the target's greedy continuation of n_new tokens, the ranking from the calibration prompts only."""
+    the target's greedy continuation of n_new tokens, the ranking from the calibration prompts only (counts of
+    what the target produced, plus the probability it gave each id over the prompt and its continuation)."""
     from edge.text import TextCodec
     from export import calibration
     from export.evaluate import rank_vocabulary
@@ -150,9 +158,15 @@ def _recompute(d, m, ck, n_new: int) -> dict:
     calib, held = prompts[: -calibration.HELD_OUT], prompts[-calibration.HELD_OUT:]
     r = GraphRunner(str(d / t.file), c.layers, c.kv_heads, c.head_dim)
     eos = tuple(m.special_tokens["eos"])
-    calib_tokens = [list(r.logits(ids).argmax(-1)) + r.greedy(ids, n_new, eos) for ids in calib]
+    calib_tokens, mass = [], np.zeros(c.vocab)
+    for ids in calib:
+        gen = r.greedy(ids, n_new, eos)
+        calib_tokens.append(list(r.logits(ids).argmax(-1)) + gen)
+        logits = r.logits(list(ids) + gen[:-1]).astype(np.float64)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        mass += (p / p.sum(-1, keepdims=True)).sum(0)
     always = tuple(eos) + (m.special_tokens["bos"],)
-    ranked = rank_vocabulary(calib_tokens, c.vocab, always=always)
+    ranked = rank_vocabulary(calib_tokens, c.vocab, always=always, mass=mass)
     texts, tgts, scored = [], [], []
     for ids in held:
         gen = r.greedy(ids, n_new, eos)
