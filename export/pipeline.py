@@ -46,8 +46,10 @@ PAD_ROWS = ("auto", "on", "off")
 DEFAULT_DRAFTER = (2, 2048)
 # Models whose LM head holds at least as many weights as all their layers (a large vocabulary on a small body: Gemma 3
 # 270M's 262,144 × 640 head against 100M body weights) spend most of each step in the head; their drafter keeps
-# every layer and only this many of the most frequent tokens in its head
-HEAD_DRAFTER_VOCAB = 16384
+# every layer and only this many of the most likely tokens in its head. Measured there (int8, 384 held-out
+# positions): 16,384 tokens agree with the target on 0.971 of them at 6.2 ms per call, 32,768 on 0.997 at 6.9 ms,
+# against 13.3 ms for the target
+HEAD_DRAFTER_VOCAB = 32768
 
 
 def default_drafters(c) -> tuple[tuple[int, int], ...]:

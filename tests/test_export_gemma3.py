@@ -241,3 +241,17 @@ def test_greedy_speculative_equals_plain_past_the_window(gemma_export, drafter):
         for k in (2, 5):
             got = eng.generate(prompt, max_tokens=40, drafter=drafter, draft_len=k, raw=True)
             assert got.token_ids == ref.token_ids, (prompt, drafter, k)
+
+
+def test_the_exporter_picks_a_full_depth_trimmed_head_drafter_where_the_head_dominates(gemma, tiny_llama):
+    """Gemma 3 270M's shapes (head 168M weights, layers 100M) against SmolLM2-135M's (head 28M, layers 106M)."""
+    from dataclasses import replace
+
+    from export.pipeline import DEFAULT_DRAFTER, HEAD_DRAFTER_VOCAB, default_drafters
+
+    g270 = replace(gemma.config, hidden=640, layers=18, heads=4, kv_heads=1, head_dim=256, intermediate=2048,
+                   vocab=262144)
+    smol = replace(tiny_llama.config, hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536,
+                   vocab=49152)
+    assert default_drafters(g270) == ((18, HEAD_DRAFTER_VOCAB),)
+    assert default_drafters(smol) == (DEFAULT_DRAFTER,)
