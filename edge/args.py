@@ -1,5 +1,6 @@
-"""What the command-line tools share: argparse types that refuse bad values before a model loads, the engine flags
-edge-chat and edge-serve both take, --version, the start-up check of a chat's context, and Ctrl-C detection."""
+"""What the command-line tools share: argparse types that refuse bad values before a model loads, the model flag and
+the engine flags edge-chat and edge-serve both take, --version, the start-up check of a chat's context, and Ctrl-C
+detection."""
 from __future__ import annotations
 
 import argparse
@@ -75,6 +76,19 @@ def chat_context_problem(engine, system: str | None = None) -> str | None:
     return (f"--context {engine.context} cannot hold a chat: an empty question is already {empty} tokens with the "
             f"chat template{with_system}; short exchanges need {empty + 64} or more (default "
             f"{min(DEFAULT_CONTEXT, engine.manifest.target.max_len)})")
+
+
+def add_model_arg(parser: argparse.ArgumentParser, *flags: str) -> None:
+    """The model flag (`--model` unless `flags` say otherwise; its value in `model`): an exported model directory,
+    or a model edgespec knows by name (`edge.resolve_model`)."""
+    from export.catalog import DEFAULT, MODELS  # the names edge.load takes
+
+    known = ", ".join(f"{m.name} ({m.title}{'' if m.chat else ', a base model without a chat template'}"
+                      f"{', the default' if m.name == DEFAULT else ''}; {m.pip})" for m in MODELS.values())
+    parser.add_argument(*(flags or ("--model",)), dest="model", metavar="DIR|NAME",
+                        help=f"exported model directory (edge-export), or a model edgespec knows by name, exported "
+                             f"from its PyPI package into $EDGESPEC_HOME on first use and reused after: {known}. A "
+                             "directory of that name wins. Default: the embedded model")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

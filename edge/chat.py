@@ -11,8 +11,8 @@ import re
 import sys
 import time
 
-from .args import (add_engine_args, add_version, chat_context_problem, messages, non_empty, non_negative_float,
-                   non_negative_int, positive_int, unit_fraction, was_interrupted)
+from .args import (add_engine_args, add_model_arg, add_version, chat_context_problem, messages, non_empty,
+                   non_negative_float, non_negative_int, positive_int, unit_fraction, was_interrupted)
 from .engine import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS
 from .measure import peak_rss_mb
 
@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
                       "Ctrl-D or /quit exits.\nWith input piped in, each non-empty line (or multi-line block) is a "
                       "turn, and stdout carries only the answers\n(notes and counters go to stderr).",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", metavar="DIR", help="exported model directory (edge-export); default: embedded model")
+    add_model_arg(ap)
     add_engine_args(ap)
     # generation flags are checked here, before a model load that can take minutes on first run
     ap.add_argument("--temp", type=non_negative_float, default=0.0,
@@ -431,13 +431,11 @@ def _repl(engine, a) -> int:
 
 
 def _print_plan(a) -> int:
-    from pathlib import Path
-
     import edge
     from edge.manifest import ModelDirError, load_manifest, require_drafter_graph
     from edge.planning import plan_report, profile_for
 
-    d = Path(a.model) if a.model else edge.ensure_default_model()
+    d = edge.resolve_model(a.model)
     try:
         profile = profile_for(a.device, a.simulate, a.calibration, d)
     except Exception as e:  # ProfileError / ProviderUnavailable / CalibrationError: say what to do

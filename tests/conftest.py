@@ -254,6 +254,21 @@ def shared_kv():
 
 
 @pytest.fixture
+def child_exports(monkeypatch):
+    """subprocess.run stood in for, for the exports edge.resolve_model starts in a child process: `.calls` holds
+    each command, `.rc` is the exit status each returns (0 unless a test sets it)."""
+    import subprocess
+
+    def run(cmd, **kw):
+        run.calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, run.rc)
+
+    run.calls, run.rc = [], 0
+    monkeypatch.setattr(subprocess, "run", run)
+    return run
+
+
+@pytest.fixture
 def run_export_cli():
     """`python -m export.cli ARGS` in a subprocess from the repository root → CompletedProcess."""
     import subprocess

@@ -599,7 +599,7 @@ def test_cli_has_edge_chat_engine_flags_and_refuses_bad_ones(tiny_dir):
 @pytest.mark.slow
 def test_real_model_openai_client_equals_engine():
     import openai  # in the [test] extra: a broken install fails, never skips
-    model_dir = edge.ensure_default_model(progress=False)
+    model_dir = edge.resolve_model(progress=False)
     proc, port = _start_server(model_dir, "--max-queue", 2)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)

@@ -1005,19 +1005,18 @@ def _load_params() -> set[str]:
     """edge.load's keyword parameters: the edge-chat flags of the same name are the engine flags."""
     import edge
 
-    return set(inspect.signature(edge.load).parameters) - {"model_dir", "progress"}
+    return set(inspect.signature(edge.load).parameters) - {"model", "progress"}
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..args import add_engine_args, add_version
+    from ..args import add_engine_args, add_model_arg, add_version
 
     ap = argparse.ArgumentParser(
         prog="edge-serve",
         description="Serve a local model over the OpenAI chat-completions API (POST /v1/chat/completions, "
                     "GET /v1/models, GET /health). With no --model-dir, the embedded SmolLM2-135M-Instruct is "
                     "exported into the cache on first run, as edge-chat does.")
-    ap.add_argument("--model-dir", "--model", dest="model_dir", metavar="DIR",
-                    help="exported model directory (edge-export); default: the embedded model")
+    add_model_arg(ap, "--model", "--model-dir")
     ap.add_argument("--host", default="127.0.0.1",
                     help="address to bind (default 127.0.0.1, this machine only; anything else exposes the model "
                          "to the network without authentication)")
@@ -1132,7 +1131,7 @@ def main(argv=None) -> int:
     import edge
 
     try:
-        engine = edge.load(a.model_dir, **{k: v for k, v in vars(a).items() if k in _load_params()})
+        engine = edge.load(a.model, **{k: v for k, v in vars(a).items() if k in _load_params()})
     except (EngineError, ValueError) as e:  # ModelDirError is an EngineError
         print(f"edge-serve: error: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..args import add_version, int_at_least, non_negative_int, positive_int, was_interrupted
+from ..args import add_model_arg, add_version, int_at_least, non_negative_int, positive_int, was_interrupted
 from ..engine import ContextFull, EngineError
 from ..files import unwritable, write_atomic
 from ..measure import peak_rss_mb, reset_peak_rss
@@ -52,7 +52,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("prompts", nargs="?", default=str(DEFAULT_PROMPTS), metavar="PROMPTS",
                     help="JSONL file of {id, category, turns: [...]} (default: the 9 prompts shipped with edgespec, "
                          "3 each of code, math and qa; ../shared/workloads/public.jsonl has all six categories)")
-    ap.add_argument("--model", metavar="DIR", help="exported model directory (default: embedded model)")
+    add_model_arg(ap)
     ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
 
 
@@ -231,8 +231,9 @@ def _end_ids(engine) -> set:
 
 
 def _first_ids(engine, it: dict) -> list[int]:
-    """The ids of the item's first turn as a chat's first turn sends them (what every peer is fed)."""
-    return engine.encode([{"role": "user", "content": it["turns"][0]}])
+    """The ids of the item's first turn as a chat's first turn sends them (what every peer is fed): one user message
+    through the chat template, or the text itself for a base model."""
+    return engine.encode(it["turns"][0])
 
 
 def _budget(engine, ids: list[int], max_tokens: int) -> int:
