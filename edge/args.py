@@ -62,20 +62,26 @@ def messages(prompt: str, system: str | None = None) -> list[dict]:
 
 def chat_context_problem(engine, system: str | None = None) -> str | None:
     """Why the loaded engine cannot hold a chat at all (its context is shorter than an empty question, with the
-    chat template and the system prompt, plus one answer token), or None. edge-chat and edge-serve refuse such a
-    --context at start instead of refusing every question."""
+    chat template and the system prompt, plus one answer token; for a base model, than the tokenizer's own prefix
+    plus one token), or None; and a system prompt for a base model, which has none. edge-chat and edge-serve refuse
+    such a --context at start instead of refusing every question."""
+    from .engine import base_model
     from .errors import EngineError
 
-    try:
-        empty = len(engine.encode(messages("", system)))
-    except EngineError as e:  # the chat template refuses or fails on a plain question: say so at start
-        return str(e)
+    if not engine.has_chat_template:
+        if system:
+            return f"--system: {base_model(engine.manifest.name)}, and has no system prompt: start your text with it"
+        empty, what = len(engine.encode("", raw=True)), "before any text (the tokenizer's own prefix)"
+    else:
+        try:
+            empty = len(engine.encode(messages("", system)))
+        except EngineError as e:  # the chat template refuses or fails on a plain question: say so at start
+            return str(e)
+        what = "with the chat template" + (" and the system prompt" if system else "") + " for an empty question"
     if engine.context > empty:
         return None
-    with_system = " and the system prompt" if system else ""
-    return (f"--context {engine.context} cannot hold a chat: an empty question is already {empty} tokens with the "
-            f"chat template{with_system}; short exchanges need {empty + 64} or more (default "
-            f"{min(DEFAULT_CONTEXT, engine.manifest.target.max_len)})")
+    return (f"--context {engine.context} cannot hold a chat: it is already {empty} tokens {what}; short exchanges "
+            f"need {empty + 64} or more (default {min(DEFAULT_CONTEXT, engine.manifest.target.max_len)})")
 
 
 def add_model_arg(parser: argparse.ArgumentParser, *flags: str) -> None:
