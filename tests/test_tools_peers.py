@@ -337,8 +337,8 @@ class _Engine:
     context = 8
     eos = {2}
 
-    def encode(self, messages):
-        return [1] * len(messages[0]["content"])
+    def encode(self, prompt):  # a turn's text: one id a character
+        return [1] * len(prompt)
 
 
 def test_a_peer_prompt_that_does_not_fit_the_context_is_skipped_like_edgespecs():
