@@ -505,10 +505,10 @@ def _main(a) -> int:
             print(f"edge-chat: error: {problem}", file=sys.stderr)
             return 2
         if not engine.has_chat_template:  # said once, before anything is continued
-            print(f"edge-chat: note: {base_model(engine.manifest.name)}: "
-                  + ("the prompt is continued as text" if a.prompt is not None else
-                     "what you type is continued as one running text, not answered as a chat (/reset starts a new "
-                     "text)"), file=sys.stderr)
+            print(f"edge-chat: note: {base_model(engine.manifest.name)}; "
+                  + ("the prompt is continued as it is" if a.prompt is not None else
+                     "what you type joins one running text, which it continues (/reset starts a new text)"),
+                  file=sys.stderr)
         if a.prompt is None:
             return _repl(engine, a)
         if a.json:

@@ -93,7 +93,7 @@ def test_edge_chat_prompt_is_the_raw_text(base_model):
     out = json.loads(r.stdout)
     want = _reference(base_model, TEXT, 8)
     assert out["token_ids"] == want.token_ids and out["prompt_tokens"] == want.stats.prompt_tokens
-    assert "the prompt is continued as text" in r.stderr and r.stderr.count(NOTE) == 1
+    assert "the prompt is continued as it is" in r.stderr and r.stderr.count(NOTE) == 1
 
 
 def test_edge_chat_refuses_a_system_prompt_for_a_base_model(base_model):
