@@ -1,5 +1,6 @@
-"""What the command-line tools share: argparse types that refuse bad values before a model loads, the engine flags
-edge-chat and edge-serve both take, --version, the start-up check of a chat's context, and Ctrl-C detection."""
+"""What the command-line tools share: argparse types that refuse bad values before a model loads, the model flag and
+the engine flags edge-chat and edge-serve both take, --version, the start-up check of a chat's context, and Ctrl-C
+detection."""
 from __future__ import annotations
 
 import argparse
@@ -61,20 +62,39 @@ def messages(prompt: str, system: str | None = None) -> list[dict]:
 
 def chat_context_problem(engine, system: str | None = None) -> str | None:
     """Why the loaded engine cannot hold a chat at all (its context is shorter than an empty question, with the
-    chat template and the system prompt, plus one answer token), or None. edge-chat and edge-serve refuse such a
-    --context at start instead of refusing every question."""
+    chat template and the system prompt, plus one answer token; for a base model, than the tokenizer's own prefix
+    plus one token), or None; and a system prompt for a base model, which has none. edge-chat and edge-serve refuse
+    such a --context at start instead of refusing every question."""
+    from .engine import base_model
     from .errors import EngineError
 
-    try:
-        empty = len(engine.encode(messages("", system)))
-    except EngineError as e:  # the chat template refuses or fails on a plain question: say so at start
-        return str(e)
+    if not engine.has_chat_template:
+        if system:
+            return f"--system: {base_model(engine.manifest.name)}, and has no system prompt: start your text with it"
+        empty, what = len(engine.encode("", raw=True)), "before any text (the tokenizer's own prefix)"
+    else:
+        try:
+            empty = len(engine.encode(messages("", system)))
+        except EngineError as e:  # the chat template refuses or fails on a plain question: say so at start
+            return str(e)
+        what = "with the chat template" + (" and the system prompt" if system else "") + " for an empty question"
     if engine.context > empty:
         return None
-    with_system = " and the system prompt" if system else ""
-    return (f"--context {engine.context} cannot hold a chat: an empty question is already {empty} tokens with the "
-            f"chat template{with_system}; short exchanges need {empty + 64} or more (default "
-            f"{min(DEFAULT_CONTEXT, engine.manifest.target.max_len)})")
+    return (f"--context {engine.context} cannot hold a chat: it is already {empty} tokens {what}; short exchanges "
+            f"need {empty + 64} or more (default {min(DEFAULT_CONTEXT, engine.manifest.target.max_len)})")
+
+
+def add_model_arg(parser: argparse.ArgumentParser, *flags: str) -> None:
+    """The model flag (`--model` unless `flags` say otherwise; its value in `model`): an exported model directory,
+    or a model edgespec knows by name (`edge.resolve_model`)."""
+    from export.catalog import DEFAULT, MODELS  # the names edge.load takes
+
+    known = ", ".join(f"{m.name} ({m.title}{'' if m.chat else ', a base model without a chat template'}"
+                      f"{', the default' if m.name == DEFAULT else ''}; {m.pip})" for m in MODELS.values())
+    parser.add_argument(*(flags or ("--model",)), dest="model", metavar="DIR|NAME",
+                        help=f"exported model directory (edge-export), or a model edgespec knows by name, exported "
+                             f"from its PyPI package into $EDGESPEC_HOME on first use and reused after: {known}. A "
+                             "directory of that name wins. Default: the embedded model")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,9 @@
 """edge-chat: chat with a local model in the terminal (streaming, multi-turn, speculative decoding).
 
 On a terminal the REPL reads lines through readline (editing, arrow keys, history; long pasted lines arrive whole);
-with input piped in, each non-empty line (or multi-line block) is one turn and stdout carries only the answers."""
+with input piped in, each non-empty line (or multi-line block) is one turn and stdout carries only the answers.
+A base model (no chat template) is used as one: what is typed is text it continues, in one running text
+(`edge.Chat` on a base model), never a made-up chat format."""
 from __future__ import annotations
 
 import argparse
@@ -11,8 +13,8 @@ import re
 import sys
 import time
 
-from .args import (add_engine_args, add_version, chat_context_problem, messages, non_empty, non_negative_float,
-                   non_negative_int, positive_int, unit_fraction, was_interrupted)
+from .args import (add_engine_args, add_model_arg, add_version, chat_context_problem, messages, non_empty,
+                   non_negative_float, non_negative_int, positive_int, unit_fraction, was_interrupted)
 from .engine import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS
 from .measure import peak_rss_mb
 
@@ -21,6 +23,10 @@ HELP = ("commands: /reset (forget the conversation)  /stats (last answer's count
 BLOCK = '"""'  # Ollama's multi-line quotes
 HISTORY_LINES = 1000  # kept in memory and in the history file
 DRAFT_COLOR, RESET_COLOR = "\033[36m", "\033[0m"  # cyan for accepted draft tokens, as in llama.cpp's example
+BASE_HELP = ("A base model (no chat template, such as gemma3-270m) continues text rather than answering it: what you "
+             "type is added to one\nrunning text (on a new line after the model's continuation) and the model "
+             "continues the whole text, as it would a\ndocument; /reset starts a new text, and --prompt is continued "
+             "alone. No chat format is made up for a base model.")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,9 +36,9 @@ def _parser() -> argparse.ArgumentParser:
                     "is exported into the cache on first run (about two minutes) and reused afterwards.",
         epilog=HELP + "\nCtrl-C stops the current answer (or clears the line being typed) and keeps the conversation; "
                       "Ctrl-D or /quit exits.\nWith input piped in, each non-empty line (or multi-line block) is a "
-                      "turn, and stdout carries only the answers\n(notes and counters go to stderr).",
+                      "turn, and stdout carries only the answers\n(notes and counters go to stderr).\n" + BASE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", metavar="DIR", help="exported model directory (edge-export); default: embedded model")
+    add_model_arg(ap)
     add_engine_args(ap)
     # generation flags are checked here, before a model load that can take minutes on first run
     ap.add_argument("--temp", type=non_negative_float, default=0.0,
@@ -379,8 +385,10 @@ def _answer(engine, chat, a, line: str, color: bool):
             bigger = (f"restart edge-chat with a larger --context (this export holds up to {most})"
                       if e.context < most else "this export holds no more")
             if e.alone:  # nothing earlier to drop: only a shorter question or a larger window helps
-                print(f"error: this question is {e.n} tokens with the chat template but the context holds "
-                      f"{e.context}: shorten it, or {bigger}", file=sys.stderr)
+                what = (f"question is {e.n} tokens with the chat template" if engine.has_chat_template else
+                        f"text is {e.n} tokens")
+                print(f"error: this {what} but the context holds {e.context}: shorten it, or {bigger}",
+                      file=sys.stderr)
             elif chat.overflow != "drop_oldest":
                 print(f"error: the conversation is {e.n} tokens but the context holds {e.context}: /reset to start "
                       "over, or restart edge-chat with --overflow drop_oldest", file=sys.stderr)
@@ -431,13 +439,11 @@ def _repl(engine, a) -> int:
 
 
 def _print_plan(a) -> int:
-    from pathlib import Path
-
     import edge
     from edge.manifest import ModelDirError, load_manifest, require_drafter_graph
     from edge.planning import plan_report, profile_for
 
-    d = Path(a.model) if a.model else edge.ensure_default_model()
+    d = edge.resolve_model(a.model)
     try:
         profile = profile_for(a.device, a.simulate, a.calibration, d)
     except Exception as e:  # ProfileError / ProviderUnavailable / CalibrationError: say what to do
@@ -485,6 +491,8 @@ def _main(a) -> int:
     import edge
     from edge import EngineError
 
+    from .engine import base_model
+
     try:
         if a.plan:
             return _print_plan(a)
@@ -496,11 +504,16 @@ def _main(a) -> int:
         if problem:
             print(f"edge-chat: error: {problem}", file=sys.stderr)
             return 2
+        if not engine.has_chat_template:  # said once, before anything is continued
+            print(f"edge-chat: note: {base_model(engine.manifest.name)}; "
+                  + ("the prompt is continued as it is" if a.prompt is not None else
+                     "what you type joins one running text, which it continues (/reset starts a new text)"),
+                  file=sys.stderr)
         if a.prompt is None:
             return _repl(engine, a)
         if a.json:
             return _answer_json(engine, a, load_s)
-        stream = engine.stream(messages(a.prompt, a.system), **_params(a), drafter=a.drafter)
+        stream = engine.stream(_question(engine, a), **_params(a), drafter=a.drafter)
         try:
             finish, n = _show(stream, DraftColors(engine.codec, engine.eos) if _use_color(a.color) else None)
         except KeyboardInterrupt:
@@ -517,13 +530,19 @@ def _main(a) -> int:
         return 2
 
 
+def _question(engine, a):
+    """--prompt as the engine takes it: after the --system prompt through the chat template, or for a base model
+    the text itself, which it continues."""
+    return messages(a.prompt, a.system) if engine.has_chat_template else a.prompt
+
+
 def _answer_json(engine, a, load_s: float) -> int:
     """--prompt --json: one JSON object; after Ctrl-C it still comes, with what was generated so far and
     finish_reason "interrupted" (exit status 130)."""
     from .engine import GenerationResult, collect
 
     r, rc = GenerationResult("", [], "length"), 0
-    stream = engine.stream(messages(a.prompt, a.system), **_params(a), drafter=a.drafter)
+    stream = engine.stream(_question(engine, a), **_params(a), drafter=a.drafter)
     try:
         collect(stream, engine, r)
     except KeyboardInterrupt:

@@ -98,6 +98,11 @@ def _content(m: dict, i: int) -> str:
                      f"messages[{i}].content")
 
 
+def base_model(name: str) -> str:
+    """What a model without a chat template is, for the messages that refuse a chat on it (each adds its fix)."""
+    return f"{name} is a base model without a chat template: it continues text rather than answering messages"
+
+
 def normalize_messages(msgs) -> list[dict]:
     """OpenAI-style messages → the chat template's: roles system/developer (a system message)/user/assistant/tool,
     content a string or a list of text parts (joined by newlines). Other keys are kept for the template."""
@@ -292,6 +297,11 @@ class Engine:
                                          f"{self.context}` shows the need at the full context)") from None
 
     @property
+    def has_chat_template(self) -> bool:
+        """False for a base model: a prompt is text it continues, and a list of messages is refused."""
+        return self.manifest.chat_template is not None
+
+    @property
     def cached(self) -> list[int]:
         """The token ids in the target's KV cache (owned by the cache)."""
         return self.target.cache.tokens
@@ -429,14 +439,19 @@ class Engine:
     def encode(self, prompt_or_messages, raw: bool = False, *, special_tokens_in_content: bool = False) -> list[int]:
         """The prompt's token ids. Message text is encoded as text (a control token's string in it stays text);
         `special_tokens_in_content=True` lets it become control tokens (see TextCodec.encode_chat). A plain string
-        is one user message; with `raw=True` it is encoded as it is (the tokenizer's own BOS rule applies)."""
+        is one user message, or for a base model (no chat template) the text it continues; with `raw=True` it is
+        encoded as it is (the tokenizer's own BOS rule applies), whatever the model. A base model refuses messages."""
         if isinstance(prompt_or_messages, str):
             if raw:
                 return self.codec.encode_prompt(prompt_or_messages)
             if not prompt_or_messages.strip():  # the REPL skips blank lines; the API says why instead of answering
                 raise EngineError("empty prompt: nothing to answer")
+            if not self.has_chat_template:
+                return self.codec.encode_prompt(prompt_or_messages)
             msgs = [{"role": "user", "content": prompt_or_messages}]
         elif isinstance(prompt_or_messages, (list, tuple)):
+            if not self.has_chat_template:  # no made-up chat format: the caller decides what text to continue
+                raise EngineError(f"{base_model(self.manifest.name)}; give it the text to continue as a string")
             msgs = normalize_messages(prompt_or_messages)
             if not msgs:
                 raise EngineError("no messages: give a prompt string or a non-empty list of {'role', 'content'} dicts")
@@ -741,11 +756,18 @@ class Chat:
     History overflow (`overflow`): "refuse" (default) refuses a turn whose prompt does not fit the context, with the
     numbers, and keeps the history as it was; "drop_oldest" drops the oldest turns (never the system message or
     the new question) until prompt + max_tokens fits, or at least the prompt does; `dropped` counts the messages
-    dropped. One answer at a time: a second thread gets EngineBusy and the history is untouched."""
+    dropped. One answer at a time: a second thread gets EngineBusy and the history is untouched.
+
+    On a base model (no chat template) the conversation is one running text (`prompt`), which the model continues:
+    each message is added to the text so far, on a line of its own, and each continuation becomes part of the text.
+    It has no system message."""
 
     def __init__(self, engine: Engine, system: str | None = None, overflow: str = "refuse"):
         if overflow not in OVERFLOW:
             raise EngineError(f"overflow {overflow!r}: choose one of {', '.join(OVERFLOW)}")
+        if system and not engine.has_chat_template:
+            raise EngineError(f"{base_model(engine.manifest.name)}, and has no system prompt: start the first "
+                              "message with that text instead")
         self.engine = engine
         self.system = system
         self.overflow = overflow
@@ -753,13 +775,24 @@ class Chat:
         self._lock = threading.Lock()
         self.messages = [{"role": "system", "content": system}] if system else []
 
+    @property
+    def prompt(self) -> list[dict] | str:
+        """What the engine continues: the messages (through the chat template), or for a base model the running
+        text, each message on a new line after the text before it."""
+        if self.engine.has_chat_template:
+            return self.messages
+        text = ""
+        for m in self.messages:
+            text += ("\n" if m["role"] == "user" and text and not text.endswith("\n") else "") + m["content"]
+        return text
+
     def _fit(self, max_tokens: int, special_tokens_in_content: bool = False) -> None:
         """Drop the oldest turns (after the system message) until prompt + min(max_tokens, context / 2) fits;
         a turn is a user message and the answer after it."""
         e, first = self.engine, 1 if self.system else 0
         reserve = min(max_tokens, e.context // 2)
         while len(self.messages) - first > 1 and len(e.encode(
-                self.messages, special_tokens_in_content=special_tokens_in_content)) + reserve > e.context:
+                self.prompt, special_tokens_in_content=special_tokens_in_content)) + reserve > e.context:
             del self.messages[first]
             self.dropped += 1
             while len(self.messages) - first > 1 and self.messages[first]["role"] != "user":
@@ -786,7 +819,7 @@ class Chat:
                     params = GenerationParams(**_normalize(dict(kw)))
                     params.check(self.engine.context)  # a bad max_tokens is refused as such, not mid-arithmetic
                     self._fit(params.max_tokens, special_tokens_in_content)
-                n = len(self.engine.encode(self.messages, special_tokens_in_content=special_tokens_in_content))
+                n = len(self.engine.encode(self.prompt, special_tokens_in_content=special_tokens_in_content))
                 ctx = self.engine.context
                 if n >= ctx:
                     alone = len(self.messages) == 1 + bool(self.system)  # no earlier turn left to drop
@@ -796,7 +829,7 @@ class Chat:
                            if alone or self.overflow == "drop_oldest" else
                            "start a new chat (reset), or use Chat(overflow='drop_oldest') to drop the oldest turns"),
                         n, ctx, alone)
-                for ch in self.engine.stream(self.messages, special_tokens_in_content=special_tokens_in_content, **kw):
+                for ch in self.engine.stream(self.prompt, special_tokens_in_content=special_tokens_in_content, **kw):
                     answer.append(ch.text)
                     started = True
                     yield ch

@@ -32,6 +32,12 @@ class ChatTemplateError(EngineError, ValueError):
     system message), a syntax error, an error inside it, or a render past its time or size budget."""
 
 
+def valid_text(s: str) -> str:
+    """`s` with each lone UTF-16 surrogate (JSON "\\ud800", a bad clipboard) as U+FFFD, as a UTF-8 decoder reads
+    it: such a string is not text, and cannot be encoded."""
+    return _LONE_SURROGATE.sub("\ufffd", s)
+
+
 class TextCodec:
     def __init__(self, tokenizer_json: str | Path, chat_template: str | None, bos: int | None, eos: tuple[int, ...]):
         self.tok = Tokenizer.from_file(str(tokenizer_json))
@@ -48,8 +54,7 @@ class TextCodec:
 
     def encode(self, text: str) -> list[int]:
         """Text as token ids, nothing added (a chat template places its own BOS)."""
-        # a lone UTF-16 surrogate (JSON "\\ud800", a bad clipboard) is not text: U+FFFD, as a UTF-8 decoder would
-        return self.tok.encode(_LONE_SURROGATE.sub("\ufffd", text), add_special_tokens=False).ids
+        return self.tok.encode(valid_text(text), add_special_tokens=False).ids
 
     def _special_prefix(self) -> list[int]:
         """The ids the tokenizer's own rule puts before a text (its post-processor: BOS for Llama 2 and Gemma,
@@ -172,7 +177,7 @@ class TextCodec:
         """Character spans of the control tokens the tokenizer finds in `s` (with any whitespace they strip)."""
         if not s:
             return []
-        enc = self.tok.encode(_LONE_SURROGATE.sub("\ufffd", s), add_special_tokens=False)
+        enc = self.tok.encode(valid_text(s), add_special_tokens=False)
         return [o for i, o in zip(enc.ids, enc.offsets) if i in self._control]
 
     def _encode_protected(self, text: str, protected: list[tuple[int, int]], force: bool = False) -> list[int]:
@@ -181,7 +186,7 @@ class TextCodec:
         encoded on its own: a stretch holding protected text is encoded again without control-token matching,
         every other one keeps its ids from the whole-text encoding. `force`: encode every stretch again (tests
         check that this gives the whole-text ids for ordinary text)."""
-        text = _LONE_SURROGATE.sub("\ufffd", text)
+        text = valid_text(text)
         enc = self.tok.encode(text, add_special_tokens=False)
         ids, offsets = enc.ids, enc.offsets
 

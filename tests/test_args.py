@@ -34,11 +34,17 @@ def test_budget_mb_zero_is_refused_by_name(capsys):
 
 # ----------------------------------------------------------------------------- a context that cannot hold a chat
 
-def _fake_engine(context: int, empty_tokens: int, max_len: int = 256):
+def _fake_engine(context: int, empty_tokens: int, max_len: int = 256, chat: bool = True):
+    """`empty_tokens`: an empty question's ids with the chat template, or for a base model (`chat` False) the
+    tokenizer's prefix (what a raw empty text encodes to)."""
     from types import SimpleNamespace
 
-    return SimpleNamespace(context=context, encode=lambda msgs: [0] * empty_tokens,
-                           manifest=SimpleNamespace(target=SimpleNamespace(max_len=max_len)))
+    def encode(prompt, raw=False):
+        assert raw is not chat and isinstance(prompt, str) is not chat  # a base model is asked for its prefix
+        return [0] * empty_tokens
+
+    return SimpleNamespace(context=context, encode=encode, has_chat_template=chat,
+                           manifest=SimpleNamespace(name="m", target=SimpleNamespace(max_len=max_len)))
 
 
 def test_context_exactly_an_empty_question_cannot_hold_a_chat():
@@ -56,6 +62,13 @@ def test_context_refusal_names_the_default_this_export_allows():
     assert "need 94 or more" in msg, msg
 
 
+def test_a_base_model_needs_room_past_its_prefix_and_takes_no_system_prompt():
+    assert args.chat_context_problem(_fake_engine(context=1, empty_tokens=1, chat=False)) is not None  # BOS alone
+    assert args.chat_context_problem(_fake_engine(context=2, empty_tokens=1, chat=False)) is None
+    msg = args.chat_context_problem(_fake_engine(context=256, empty_tokens=1, chat=False), system="be brief")
+    assert msg.startswith("--system: m is a base model without a chat template") and "no system prompt" in msg, msg
+
+
 # ----------------------------------------------------------------------------- engine flags
 
 def test_engine_flags_shared_by_chat_and_serve():
@@ -70,7 +83,7 @@ def test_engine_flags_shared_by_chat_and_serve():
 
     for d in DRAFTERS:
         assert chat_parser().parse_args(["--drafter", d]).drafter == d
-    load_kw = set(inspect.signature(edge.load).parameters) - {"model_dir"}  # edge-chat: --model
+    load_kw = set(inspect.signature(edge.load).parameters)
     chat = {a.dest for a in chat_parser()._actions} & load_kw
     serve = {a.dest for a in serve_parser()._actions} & load_kw
     assert chat == serve and {"drafter", "threads", "context", "budget_mb"} <= serve

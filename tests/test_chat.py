@@ -172,7 +172,7 @@ def test_json_answer_reports_load_time(capsys):
     from edge.engine import Chunk, Stats
 
     class Engine:
-        last_stats = None
+        last_stats, has_chat_template = None, True
 
         def stream(self, *a, **kw):
             self.last_stats = Stats(generated=1, steps=0, drafter="none")
@@ -193,7 +193,7 @@ def test_chat_json_interrupted_still_prints_what_ran(monkeypatch, capsys):
     from edge.engine import Chunk, Stats
 
     class Engine:
-        last_stats = None
+        last_stats, has_chat_template = None, True
 
         def stream(self, *a, **kw):
             self.last_stats = Stats(generated=2, steps=1, drafter="none")
@@ -231,7 +231,7 @@ class _Engine:
         from edge.engine import Stats
 
         self.manifest = SimpleNamespace(name="fake", target=SimpleNamespace(max_len=max_len))
-        self.default_drafter, self.plan, self.context = "lookup", None, 200
+        self.default_drafter, self.plan, self.context, self.has_chat_template = "lookup", None, 200, True
         self.target = SimpleNamespace(cache=SimpleNamespace(length=17))
         self.last_stats = Stats(generated=2, steps=1, drafter="lookup")
         self.raises, self.chats = raises or {}, []
@@ -356,7 +356,7 @@ class _PromptEngine:
 
         from edge.engine import Stats
 
-        self.context, self.calls = 256, []
+        self.context, self.calls, self.has_chat_template = 256, [], True
         self.manifest = SimpleNamespace(target=SimpleNamespace(max_len=256))
         self.last_stats = Stats(generated=1, drafter="none")
 

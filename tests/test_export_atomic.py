@@ -323,15 +323,16 @@ def test_two_first_runs_of_the_default_build_it_once(tiny_llama_dir, tmp_path, m
     import threading
 
     import export.cli as cli
+    from export import catalog
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(cli, "default_gguf_path", lambda: tiny_llama_dir)
+    monkeypatch.setattr(catalog.Model, "gguf_path", lambda self: tiny_llama_dir)
     opts = tiny_export_options(name="SmolLM2-135M-Instruct")
     built, errors = [], []
 
     def first_run():
         try:
-            built.append(cli.export_default(progress=True, opts=opts))
+            built.append(cli.export_named(catalog.MODELS[catalog.DEFAULT], progress=True, opts=opts))
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(repr(e))
 
@@ -342,7 +343,7 @@ def test_two_first_runs_of_the_default_build_it_once(tiny_llama_dir, tmp_path, m
         t.join(240)
     err = capsys.readouterr().err
     assert not errors and len(built) == 2, errors
-    assert err.count("building the embedded default") == 1 and "reusing it" in err, err
+    assert err.count("building SmolLM2-135M-Instruct") == 1 and "reusing it" in err, err
     assert "waiting for it to finish" in err, err  # the runs overlapped (a build takes seconds)
     assert built[0].files == built[1].files
 

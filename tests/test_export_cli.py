@@ -266,9 +266,10 @@ def test_default_with_out_exports_the_embedded_model_there(tiny_llama_dir, tmp_p
     checkpoint."""
     import export.cli as cli
     from edge.manifest import load_manifest
+    from export import catalog
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(cli, "default_gguf_path", lambda: tiny_llama_dir)
+    monkeypatch.setattr(catalog.Model, "gguf_path", lambda self: tiny_llama_dir)
     out = tmp_path / "smol-fp32"
     rc = cli.main(["--default", "-o", str(out), "--precision", "fp32", "--drafter-layers", "1", "--drafter-vocab",
                    "128", "--calib-tokens", "8", "--max-len", "256", "--no-parity", "-q"])

@@ -8,7 +8,8 @@ import pytest
 from edge.manifest import load_manifest
 from edge.text import TextCodec
 from export import reference
-from export.checkpoint import default_gguf_path, load_checkpoint
+from export.catalog import DEFAULT, MODELS
+from export.checkpoint import load_checkpoint
 from export.cli import _reusable
 from export.evaluate import GraphRunner
 from export.graph import GraphOptions, build_graph, save_model
@@ -19,7 +20,7 @@ PROMPTS = ["What is the capital of France?", "Write one sentence about rain."]
 
 @pytest.mark.slow
 def test_default_model_export_and_parity(tmp_path):
-    src = default_gguf_path()
+    src = MODELS[DEFAULT].gguf_path()
     opts = ExportOptions(name="SmolLM2-135M-Instruct", drafters=((2, 8192),), calib_new_tokens=16)  # default: auto
     out = tmp_path / "smollm2"
     m = export_model(src, out, opts, progress=False)
@@ -77,7 +78,7 @@ def test_default_model_int4_keeps_the_q4_1_block_minimums(tmp_path):
     from export import calibration
     from export.tokenizer import write_tokenizer
 
-    ck = load_checkpoint(default_gguf_path())
+    ck = load_checkpoint(MODELS[DEFAULT].gguf_path())
     tf = write_tokenizer(ck, tmp_path)
     codec = TextCodec(tmp_path / "tokenizer.json", tf.chat_template, tf.bos, tf.eos)
     prompts = [codec.encode_chat([{"role": "user", "content": p}]) for p in calibration.PROMPTS[-2:]]

@@ -150,7 +150,7 @@ def test_unwritable_cache_is_one_clear_error_before_any_export(tmp_path, monkeyp
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "afile" / "home"))
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("no export should start"))
     with pytest.raises(ModelDirError, match="set EDGESPEC_HOME to a writable directory"):
-        edge.ensure_default_model(progress=False)
+        edge.resolve_model(progress=False)
     # a directory that exists but cannot be written (a read-only mount; root passes permission checks, so the
     # file system's refusal is simulated)
     import errno
@@ -163,40 +163,33 @@ def test_unwritable_cache_is_one_clear_error_before_any_export(tmp_path, monkeyp
 
     monkeypatch.setattr(tempfile, "TemporaryFile", read_only)
     with pytest.raises(ModelDirError, match=r"\(Read-only file system\): .* set EDGESPEC_HOME"):
-        edge.ensure_default_model(progress=False)
+        edge.resolve_model(progress=False)
 
 
-def test_default_model_is_built_in_a_child_and_rebuilt_when_older(exported_llama, tmp_path, monkeypatch):
-    """edge.ensure_default_model: a current cache is used as is; a missing one, or one an older graph builder wrote,
-    is rebuilt by `python -m export.cli --default` in a child process (its memory never stays in ours); a failed
-    build is a ModelDirError naming the re-export command."""
+def test_default_model_is_built_in_a_child_and_rebuilt_when_older(exported_llama, tmp_path, monkeypatch,
+                                                                   child_exports):
+    """edge.resolve_model() (the default): a current cache is used as is; a missing one, or one an older graph
+    builder wrote, is rebuilt by `python -m export.cli --model smollm2-135m` in a child process (its memory never
+    stays in ours); a failed build is a ModelDirError naming the re-export command."""
     import json
     import shutil
-    import subprocess
 
     from edge.manifest import GRAPH_VERSION, MANIFEST_NAME
 
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path / "home"))
-    calls = []
-
-    def fake_run(cmd, **kw):
-        calls.append(cmd)
-        return subprocess.CompletedProcess(cmd, fake_run.rc)
-
-    fake_run.rc = 0
-    monkeypatch.setattr(subprocess, "run", fake_run)
-    assert edge.ensure_default_model(progress=False) == edge.default_model_dir()  # missing: built
-    assert calls[-1][1:] == ["-m", "export.cli", "--default", "--quiet"]
+    calls = child_exports.calls
+    assert edge.resolve_model(progress=False) == edge.default_model_dir()  # missing: built
+    assert calls[-1][1:] == ["-m", "export.cli", "--model", "smollm2-135m", "--quiet"]
     d = edge.default_model_dir()
     shutil.copytree(exported_llama[0], d)
     raw = json.loads((d / MANIFEST_NAME).read_text())
     assert raw["source"]["graph_version"] == GRAPH_VERSION
     n = len(calls)
-    edge.ensure_default_model(progress=False)  # current: used as is
+    edge.resolve_model(progress=False)  # current: used as is
     assert len(calls) == n
     raw["source"]["graph_version"] = GRAPH_VERSION - 1
     (d / MANIFEST_NAME).write_text(json.dumps(raw))
-    fake_run.rc = 2
+    child_exports.rc = 2
     with pytest.raises(ModelDirError, match="edge-export --default --force"):
-        edge.ensure_default_model(progress=False)  # older: rebuilt (and this build fails)
+        edge.resolve_model(progress=False)  # older: rebuilt (and this build fails)
     assert len(calls) == n + 1

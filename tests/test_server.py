@@ -17,7 +17,7 @@ import pytest
 
 import edge
 from edge.engine import Chunk
-from edge.server.app import ApiError, ChatRequest, Job, Worker, parse_chat_request
+from edge.server.app import ApiError, Request, Job, Worker, parse_chat_request
 from edge.tools.serve_load import run_conversation, run_load
 
 MAX_QUEUE = 1  # small, so the load test meets the bounded queue
@@ -200,7 +200,7 @@ def _job(messages, max_tokens=16, on_chunk=None):
             if item[0] != "chunk":
                 done.set()
 
-    job = Job(ChatRequest(messages, dict(max_tokens=max_tokens, temperature=0.0)), Loop())
+    job = Job(Request(messages, dict(max_tokens=max_tokens, temperature=0.0)), Loop())
     job.items, job.done = items, done
     return job
 
@@ -260,7 +260,7 @@ class HeldEngine:
     def __init__(self):
         self.go, self.running, self.last_stats = threading.Semaphore(0), threading.Event(), None
 
-    def encode(self, messages):
+    def encode(self, messages, raw=False):
         return [1, 2, 3]
 
     def stream(self, messages, **kw):
@@ -501,7 +501,7 @@ def test_parse_accepts_openai_shapes():
                      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "edgespec": {"drafter": "lookup"}, "logprobs": False, "response_format": {"type": "text"},
         "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}).encode(), 16)
-    assert req.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
+    assert req.prompt == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
     assert req.params == dict(max_tokens=9, temperature=0.0, top_p=1.0, seed=3, stop=("\n\n",), drafter="lookup")
     assert req.stream and req.include_usage
     assert parse_chat_request(b'{"messages": [{"role": "user", "content": "x"}]}', 16).params["max_tokens"] == 16
@@ -599,7 +599,7 @@ def test_cli_has_edge_chat_engine_flags_and_refuses_bad_ones(tiny_dir):
 @pytest.mark.slow
 def test_real_model_openai_client_equals_engine():
     import openai  # in the [test] extra: a broken install fails, never skips
-    model_dir = edge.ensure_default_model(progress=False)
+    model_dir = edge.resolve_model(progress=False)
     proc, port = _start_server(model_dir, "--max-queue", 2)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)

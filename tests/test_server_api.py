@@ -5,7 +5,6 @@ every answer and counter is known in advance."""
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
 import socket
 import threading
@@ -17,13 +16,14 @@ import pytest
 from conftest import serving
 from edge.engine import MAX_DRAFT_LEN, Chunk, EngineError, Stats
 from edge.manifest import ModelDirError
-from edge.server.app import MAX_BODY, ApiError, ChatRequest, Job, Worker, parse_chat_request
+from edge.server.app import MAX_BODY, ApiError, Job, Request, Worker, parse_chat_request
+from helpers import http_call, http_send, sse_events
 
 
 MSGS = [{"role": "user", "content": "hi"}]
 
 
-def _parse(**fields) -> ChatRequest:
+def _parse(**fields) -> Request:
     return parse_chat_request(json.dumps({"messages": MSGS, **fields}).encode(), 16)
 
 
@@ -108,7 +108,7 @@ class ScriptEngine:
     """A stand-in engine answering `pieces` (the last one with `finish`); `fail`: raised before piece `fail_at`;
     `hold`: each piece waits for a `go.release()`."""
     context = 1000
-    default_drafter = "none"
+    default_drafter, has_chat_template = "none", True
 
     def __init__(self, pieces=("Hel", "lo", "!"), finish="stop", fail=None, fail_at=1, hold=False, prompt_len=7):
         self.manifest = SimpleNamespace(name="fake-model")
@@ -116,7 +116,7 @@ class ScriptEngine:
         self.prompt_len, self.last_stats, self.resets, self.emitted = prompt_len, None, [], 0
         self.go, self.running, self.closed = threading.Semaphore(0), threading.Event(), threading.Event()
 
-    def encode(self, messages):
+    def encode(self, messages, raw=False):
         return list(range(self.prompt_len))
 
     def reset(self, keep_drafter_state=False):
@@ -149,7 +149,7 @@ def _job(on_chunk=None):
             if item[0] != "chunk":
                 done.set()
 
-    job = Job(ChatRequest(MSGS, dict(max_tokens=16, temperature=0.0)), Loop())
+    job = Job(Request(MSGS, dict(max_tokens=16, temperature=0.0)), Loop())
     job.items, job.done = items, done
     return job
 
@@ -224,23 +224,8 @@ def _serving(engine, **kw):
         yield port, app.state.worker
 
 
-def _send(port, body, method="POST", path="/v1/chat/completions") -> http.client.HTTPConnection:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request(method, path, None if body is None else json.dumps(body), {"Content-Type": "application/json"})
-    return conn
-
-
-def _call(port, body, method="POST", path="/v1/chat/completions"):
-    conn = _send(port, body, method, path)
-    try:
-        r = conn.getresponse()
-        return r.status, dict(r.getheaders()), r.read()
-    finally:
-        conn.close()
-
-
 def _health(port) -> dict:
-    return json.loads(_call(port, None, "GET", "/health")[2])
+    return json.loads(http_call(port, None, "GET", "/health")[2])
 
 
 def _wait_health(port, pred, timeout=10.0) -> dict:
@@ -250,17 +235,6 @@ def _wait_health(port, pred, timeout=10.0) -> dict:
         if pred(h) or time.monotonic() > deadline:
             return h
         time.sleep(0.02)
-
-
-def _events(raw: bytes) -> list:
-    """The SSE body → its `data:` payloads (JSON objects, or the string "[DONE]"), each event on its own."""
-    assert raw.endswith(b"\n\n")
-    out = []
-    for ev in raw[:-2].split(b"\n\n"):
-        assert ev.startswith(b"data: ") and b"\n" not in ev, ev
-        data = ev[len(b"data: "):]
-        out.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-    return out
 
 
 USAGE = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12, "prompt_tokens_details": {"cached_tokens": 3}}
@@ -273,7 +247,7 @@ COUNTERS = {"drafter": "lookup", "drafted": 4, "accepted": 2, "steps": 2, "mean_
 
 def test_completion_body_has_openais_shape_and_the_counters():
     with _serving(ScriptEngine()) as (port, _):
-        status, _, raw = _call(port, {"messages": MSGS, "max_tokens": 5})
+        status, _, raw = http_call(port, {"messages": MSGS, "max_tokens": 5})
     r = json.loads(raw)
     assert status == 200 and r["object"] == "chat.completion" and r["model"] == "fake-model"
     assert r["id"].startswith("chatcmpl-")
@@ -286,9 +260,9 @@ def test_completion_body_has_openais_shape_and_the_counters():
 def test_stream_events_have_openais_shape(include_usage):
     body = {"messages": MSGS, "stream": True, **({"stream_options": {"include_usage": True}} if include_usage else {})}
     with _serving(ScriptEngine()) as (port, _):
-        status, headers, raw = _call(port, body)
+        status, headers, raw = http_call(port, body)
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
-    ev = _events(raw)
+    ev = sse_events(raw)
     assert ev[-1] == "[DONE]" and "[DONE]" not in ev[:-1]
     chunks = ev[:-1]
     assert all(c["object"] == "chat.completion.chunk" and c["model"] == "fake-model" for c in chunks)
@@ -309,9 +283,9 @@ def test_stream_events_have_openais_shape(include_usage):
 def test_a_failure_after_the_stream_began_is_its_last_event():
     engine = ScriptEngine(fail=RuntimeError("boom"), fail_at=1)
     with _serving(engine) as (port, _):
-        status, _, raw = _call(port, {"messages": MSGS, "stream": True})
+        status, _, raw = http_call(port, {"messages": MSGS, "stream": True})
         assert _wait_health(port, lambda h: h["failed"] == 1)["failed"] == 1
-    ev = _events(raw)
+    ev = sse_events(raw)
     assert status == 200 and ev[-1] == "[DONE]"
     err = ev[-2]["error"]
     assert set(err) == {"message", "type", "param", "code"}
@@ -321,7 +295,7 @@ def test_a_failure_after_the_stream_began_is_its_last_event():
 
 def test_a_failure_after_some_chunks_of_a_plain_answer_is_an_error_response():
     with _serving(ScriptEngine(fail=EngineError("cannot go on"), fail_at=1)) as (port, _):
-        status, _, raw = _call(port, {"messages": MSGS})
+        status, _, raw = http_call(port, {"messages": MSGS})
     err = json.loads(raw)["error"]
     assert status == 400 and err["code"] == "invalid_request" and "cannot go on" in err["message"]
 
@@ -329,10 +303,10 @@ def test_a_failure_after_some_chunks_of_a_plain_answer_is_an_error_response():
 def test_full_queue_503_says_when_to_retry():
     engine = ScriptEngine(hold=True)
     with _serving(engine, max_queue=0) as (port, _):
-        first = _send(port, {"messages": MSGS})
+        first = http_send(port, {"messages": MSGS})
         try:
             assert engine.running.wait(10)
-            status, headers, raw = _call(port, {"messages": MSGS})
+            status, headers, raw = http_call(port, {"messages": MSGS})
             assert status == 503 and headers.get("retry-after") == "1"
             assert json.loads(raw)["error"]["code"] == "server_busy"
             for _ in range(3):
@@ -347,9 +321,9 @@ def test_unknown_paths_health_and_no_reuse():
     """--no-reuse prefills every prompt in full but keeps what the drafters learned."""
     engine = ScriptEngine()
     with _serving(engine, reuse=False, max_queue=3) as (port, _):
-        status, _, raw = _call(port, None, "GET", "/v1/nothing")
+        status, _, raw = http_call(port, None, "GET", "/v1/nothing")
         assert status == 404 and json.loads(raw)["error"]["code"] == "not_found"
-        assert _call(port, {"messages": MSGS})[0] == 200
+        assert http_call(port, {"messages": MSGS})[0] == 200
         h = _health(port)
     assert h["reuse"] is False and h["max_queue"] == 3 and h["model"] == "fake-model" and h["context"] == 1000
     assert engine.resets == [True]
@@ -358,9 +332,9 @@ def test_unknown_paths_health_and_no_reuse():
 def test_a_client_that_leaves_while_queued_frees_its_slot_at_once():
     engine = ScriptEngine(hold=True)
     with _serving(engine, max_queue=1) as (port, _):
-        running = _send(port, {"messages": MSGS})
+        running = http_send(port, {"messages": MSGS})
         assert engine.running.wait(10)
-        queued = _send(port, {"messages": MSGS})
+        queued = http_send(port, {"messages": MSGS})
         assert _wait_health(port, lambda h: h["waiting"] == 1)["waiting"] == 1
         queued.sock.shutdown(socket.SHUT_RDWR)
         queued.close()
@@ -375,7 +349,7 @@ def test_a_client_that_leaves_while_queued_frees_its_slot_at_once():
 def test_a_client_that_leaves_mid_stream_stops_its_generation():
     engine = ScriptEngine(pieces=tuple(f"t{i} " for i in range(50)), hold=True)
     with _serving(engine) as (port, _):
-        conn = _send(port, {"messages": MSGS, "stream": True})
+        conn = http_send(port, {"messages": MSGS, "stream": True})
         engine.go.release()
         r = conn.getresponse()
         assert r.status == 200

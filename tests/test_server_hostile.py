@@ -27,9 +27,10 @@ import edge
 from conftest import serving
 from edge.engine import Chunk, Stats
 from edge.server import app as serve
-from edge.server.app import (ACCEPT_ERROR, CUT_SLACK, MAX_BODY, PIECE_CHARS, ApiError, ChatRequest, ConnectionLimits, Job,
-                        PromptLimits, RateLimitFilter, Worker, _normalizer_shrink, host_allowed,
-                        parse_chat_request, prompt_limits, refuse_if_surely_too_long, tokens_at_least)
+from edge.server.app import (ACCEPT_ERROR, CUT_SLACK, MAX_BODY, PIECE_CHARS, ApiError, ConnectionLimits, Job,
+                             PromptLimits, RateLimitFilter, Request, Worker, _normalizer_shrink, host_allowed,
+                             parse_chat_request, parse_completion_request, prompt_limits, refuse_if_surely_too_long,
+                             tokens_at_least)
 
 MSGS = [{"role": "user", "content": "hi"}]
 STATS = Stats(prompt_tokens=3, reused_tokens=0, generated=2, steps=1, drafted=0, accepted=0, prefill_s=0.001,
@@ -39,14 +40,14 @@ STATS = Stats(prompt_tokens=3, reused_tokens=0, generated=2, steps=1, drafted=0,
 class StandIn:
     """A stand-in engine answering "ok" (each chunk waits for `go.release()` when `hold`); counts `encode` calls,
     the tokenizer's work."""
-    default_drafter = "none"
+    default_drafter, has_chat_template = "none", True
 
     def __init__(self, context=1000, hold=False):
         self.context, self.hold = context, hold
         self.manifest = SimpleNamespace(name="stand-in")
         self.go, self.running, self.encoded, self.last_stats = threading.Semaphore(0), threading.Event(), 0, None
 
-    def encode(self, messages):
+    def encode(self, messages, raw=False):
         self.encoded += 1
         return [1] * (2 * len(messages) + 1)
 
@@ -602,7 +603,8 @@ def test_cli_passes_the_bound_host_and_allowed_names(monkeypatch, capsys):
     seen = {}
     monkeypatch.setattr(serve, "_listen_check", lambda host, port: (None, None))
     monkeypatch.setattr(edge, "load", lambda *a, **k: SimpleNamespace(context=100, default_drafter="none",
-                                                                       manifest=SimpleNamespace(name="m")))
+                                                                       manifest=SimpleNamespace(name="m"),
+                                                                       has_chat_template=True))
     monkeypatch.setattr("edge.args.chat_context_problem", lambda engine: None)
     monkeypatch.setattr(serve, "create_app", lambda engine, **kw: seen.update(kw) or SimpleNamespace(
         state=SimpleNamespace(worker=None)))
@@ -643,6 +645,12 @@ def test_hostile_values_in_every_field_are_refused_by_name_never_a_crash():
             parse_chat_request(json.dumps(body).encode(), 16, limits)
         except ApiError as e:
             assert e.status == 400, (body, e.status)
+    # and a text completion's fields
+    for body in [{"prompt": "hi", f: v} for f in FIELDS[1:] + ["prompt", "echo", "suffix", "best_of"] for v in HOSTILE]:
+        try:
+            parse_completion_request(json.dumps(body).encode(), 16, limits)
+        except ApiError as e:
+            assert e.status == 400, (body, e.status)
 
 
 def test_a_client_that_leaves_mid_body_logs_at_most_one_short_line(caplog):
@@ -667,7 +675,7 @@ def _job():
         def call_soon_threadsafe(self, fn, item):
             pass
 
-    return Job(ChatRequest(MSGS, dict(max_tokens=4, temperature=0.0)), Loop())
+    return Job(Request(MSGS, dict(max_tokens=4, temperature=0.0)), Loop())
 
 
 def test_the_busy_503_gives_a_count_that_agrees_with_its_cap():

@@ -3,11 +3,9 @@ encoded as the tokenizer's own post-processor says, as transformers' `tokenizer(
 its own BOS and nothing is added to it."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from conftest import BOS, SPECIALS, build_tokenizer
+from conftest import BOS, SPECIALS, build_tokenizer, edit_export
 from edge.text import TextCodec
 
 
@@ -55,28 +53,11 @@ def test_a_chat_template_places_its_own_bos_and_nothing_is_added(tmp_path):
     assert ids == [BOS] + codec.encode("hi")  # one BOS, the template's
 
 
-def test_the_engine_applies_the_rule_to_raw_prompts(tiny_dir, tmp_path):
+def test_the_engine_applies_the_rule_to_raw_prompts(model_copy):
     """An export whose tokenizer adds BOS: `raw=True` prompts get it (a Gemma 3 export without it answered "1 1 1")."""
-    import shutil
-
     import edge
 
-    d = tmp_path / "m"
-    shutil.copytree(tiny_dir, d)
-    from tokenizers import Tokenizer, processors
-
-    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
-    bos = SPECIALS[BOS]
-    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, BOS)])
-    tok.save(str(d / "tokenizer.json"))
-    from edge.manifest import MANIFEST_NAME, sha256_file
-
-    m = json.loads((d / MANIFEST_NAME).read_text())
-    for f in m["files"]:  # the manifest records the tokenizer's size and digest
-        if f["path"] == "tokenizer.json":
-            f["bytes"], f["sha256"] = (d / "tokenizer.json").stat().st_size, sha256_file(d / "tokenizer.json")
-    (d / MANIFEST_NAME).write_text(json.dumps(m))
-    e = edge.load(d)
+    e = edge.load(edit_export(model_copy, bos_rule=True))
     assert e.encode("hello there", raw=True)[0] == BOS
     r = e.generate("hello there", raw=True, max_tokens=3)
     assert r.stats.prompt_tokens == len(e.codec.encode("hello there")) + 1

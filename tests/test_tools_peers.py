@@ -338,8 +338,8 @@ class _Engine:
     eos = {2}
     manifest = SimpleNamespace(chat_template="T")
 
-    def encode(self, messages):
-        return [1] * len(messages[0]["content"])
+    def encode(self, prompt):  # a turn's text: one id a character
+        return [1] * len(prompt)
 
 
 def test_a_peer_prompt_that_does_not_fit_the_context_is_skipped_like_edgespecs():

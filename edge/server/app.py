@@ -1,8 +1,13 @@
 """edge-serve: an OpenAI-compatible local HTTP server for one exported model.
 
     POST /v1/chat/completions   messages, max_tokens, temperature, top_p, top_k, seed, stop, stream (+ stream_options)
-    GET  /v1/models             the loaded model
+    POST /v1/completions        prompt (text it continues, raw: no chat template), echo, and the same sampling fields
+    GET  /v1/models             the loaded model, and which of the two it serves
     GET  /health                status and counters
+
+A base model (no chat template) serves /v1/completions only: its chat completions are refused with a 400 that
+points there, rather than answered through a made-up chat format. Both endpoints share the parsing, the queue, the
+worker, streaming and the errors below; they differ in the prompt and the shape of the answer.
 
 edgespec extensions live under an "edgespec" key: in a request `{"edgespec": {"drafter": "lookup", "draft_len": 4}}`,
 in a response the speculative counters (drafted, accepted, steps, mean accepted length) and `prompt_tokens_reused`.
@@ -35,8 +40,9 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..drafters import DRAFTER_CHOICES
-from ..engine import DEFAULT_MAX_TOKENS, MAX_DRAFT_LEN, BadMessage, EngineError, normalize_messages
+from ..engine import DEFAULT_MAX_TOKENS, MAX_DRAFT_LEN, BadMessage, EngineError, base_model, normalize_messages
 from ..manifest import ModelDirError
+from ..text import valid_text
 
 log = logging.getLogger("edge.server")
 
@@ -60,6 +66,7 @@ _CUT = re.compile(r"\S \S")  # a single space between two non-spaces: where the 
 # NFC / NFKC compose up to 4 code points into one character (U+1FAF: Ω + 3 marks), and NFKC maps one character of
 # 4 UTF-8 bytes to one of 1 (U+1FBF9): the tokenizer may see a text up to 4 times shorter than the request's
 NORMALIZER_SHRINK = 4
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")  # the first needs a chat template
 
 
 class ApiError(Exception):
@@ -88,11 +95,39 @@ def _shutting_down(detail: str = "") -> ApiError:
 # ---------------------------------------------------------------------------------------------- request parsing
 
 @dataclass
-class ChatRequest:
-    messages: list[dict]
+class Request:
+    """A parsed request: chat messages (/v1/chat/completions), or a text the model continues as it is
+    (/v1/completions)."""
+    prompt: list[dict] | str
     params: dict  # keyword arguments for Engine.stream
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False  # /v1/completions: the answer starts with the prompt
+
+    @property
+    def raw(self) -> bool:
+        """A text to continue, encoded as it is (Engine.encode's raw=True), whatever the model."""
+        return isinstance(self.prompt, str)
+
+    @property
+    def param(self) -> str:
+        return _param(self.prompt)
+
+
+def _param(prompt: list[dict] | str) -> str:
+    """The request field that holds `prompt`, for errors about it."""
+    return "prompt" if isinstance(prompt, str) else "messages"
+
+
+def _texts(prompt: list[dict] | str) -> list[str]:
+    """The text a prompt is made of: a completion's string, or each message's content."""
+    return [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+
+
+def _too_long(param: str, tokens: str, context: int) -> ApiError:
+    """A prompt of `tokens` (a count, or "over N") that cannot fit in the context."""
+    return ApiError(400, f"the {param} {'is' if param == 'prompt' else 'are'} {tokens} tokens but the context holds "
+                         f"{context}; {_shorten(param)}", param, "context_length_exceeded")
 
 
 def _number(body: dict, key: str, lo: float, hi: float, default: float) -> float:
@@ -138,17 +173,25 @@ class PromptLimits:
                                 "(every message takes at least one token); shorten the conversation",
                            "messages", "context_length_exceeded")
 
-    def check_text(self, msgs: list[dict]) -> None:
+    def check_text(self, prompt: list[dict] | str) -> None:
+        """`prompt`: the messages, or a completion's text."""
         if self.span is None:
             return
-        size = (sum(len(m["content"].strip().encode("utf-8", "surrogatepass")) for m in msgs)
-                if self.unit == "bytes" else sum(len(m["content"].strip()) for m in msgs))
+        texts = [t.strip() for t in _texts(prompt)]
+        size = (sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) if self.unit == "bytes" else
+                sum(map(len, texts)))
         most = (self.context - 1) * self.span
         if size > most:
-            raise ApiError(400, f"messages: {size:,} {self.unit} of text cannot fit in the context of {self.context} "
+            param = _param(prompt)
+            raise ApiError(400, f"{param}: {size:,} {self.unit} of text cannot fit in the context of {self.context} "
                                 f"tokens (no token of this tokenizer spans more than {self.span} {self.unit}, so at "
-                                f"most {most:,} fit); shorten the conversation (or restart edge-serve with a larger "
-                                "--context)", "messages", "context_length_exceeded")
+                                f"most {most:,} fit); {_shorten(param)}", param, "context_length_exceeded")
+
+
+def _shorten(param: str) -> str:
+    """The fix for a prompt that cannot fit the context."""
+    return (f"shorten the {'conversation' if param == 'messages' else 'prompt'} (or restart edge-serve with a larger "
+            "--context)")
 
 
 def prompt_limits(engine) -> PromptLimits:
@@ -220,30 +263,34 @@ def tokens_at_least(encode, text: str, context: int) -> tuple[int, int]:
     return count, cuts
 
 
-def may_be_large(msgs: list[dict]) -> bool:
-    """Could `msgs` render to more than WHOLE_PROMPT_BYTES? (UTF-8 takes at most 4 bytes a character; a template's
-    own markup is a few dozen bytes a message.) Most requests are answered no here, on the event loop."""
-    return 4 * sum(len(m["content"]) for m in msgs) + 64 * len(msgs) > WHOLE_PROMPT_BYTES
+def may_be_large(prompt: list[dict] | str) -> bool:
+    """Could `prompt` (messages, or a completion's text) render to more than WHOLE_PROMPT_BYTES? (UTF-8 takes at
+    most 4 bytes a character; a template's own markup is a few dozen bytes a message.) Most requests are answered
+    no here, on the event loop."""
+    texts = _texts(prompt)
+    return 4 * sum(map(len, texts)) + 64 * len(texts) > WHOLE_PROMPT_BYTES
 
 
-def refuse_if_surely_too_long(engine, msgs: list[dict]) -> None:
-    """ApiError(400) when the prompt `msgs` renders to cannot fit in the context, found by `tokens_at_least` on a
-    prompt of more than WHOLE_PROMPT_BYTES before anything tokenizes it whole. The rendered prompt, not the
-    messages: templates leave parts out (an earlier turn's reasoning). Runs off the event loop."""
-    render = getattr(getattr(engine, "codec", None), "render", None)
-    if render is None:  # a stand-in engine
-        return
-    try:
-        text = render(msgs)
-    except Exception:  # noqa: BLE001 - a template's own refusal: the engine says it in its words
-        return
+def refuse_if_surely_too_long(engine, prompt: list[dict] | str) -> None:
+    """ApiError(400) when `prompt` cannot fit in the context, found by `tokens_at_least` on a prompt of more than
+    WHOLE_PROMPT_BYTES before anything tokenizes it whole. For messages, the prompt they render to, not the
+    messages: templates leave parts out (an earlier turn's reasoning); a completion's text is counted as it is (the
+    tokenizer's prefix only adds to it). Runs off the event loop."""
+    if isinstance(prompt, str):
+        text = prompt
+    else:
+        render = getattr(getattr(engine, "codec", None), "render", None)
+        if render is None:  # a stand-in engine
+            return
+        try:
+            text = render(prompt)
+        except Exception:  # noqa: BLE001 - a template's own refusal: the engine says it in its words
+            return
     if len(text.encode("utf-8", "surrogatepass")) <= WHOLE_PROMPT_BYTES:
         return
     count, cuts = tokens_at_least(lambda t: engine.encode(t, raw=True), text, engine.context)
     if count - CUT_SLACK * cuts >= engine.context:
-        raise ApiError(400, f"the messages are over {count - CUT_SLACK * cuts} tokens but the context holds "
-                            f"{engine.context}; shorten the conversation (or restart edge-serve with a larger "
-                            "--context)", "messages", "context_length_exceeded")
+        raise _too_long(_param(prompt), f"over {count - CUT_SLACK * cuts}", engine.context)
 
 
 def _messages(body: dict, limits: PromptLimits | None = None) -> list[dict]:
@@ -343,10 +390,38 @@ def _refuse_unsupported(body: dict) -> None:
                             "'none' are accepted)", "tool_choice", "unsupported_parameter")
 
 
-def parse_chat_request(raw: bytes, default_max_tokens: int, limits: PromptLimits | None = None) -> ChatRequest:
-    """Validate a chat-completions body → ChatRequest; ApiError(400) names the offending parameter, or the bound
-    of `limits` a prompt that cannot fit passes (checked before it is tokenized).
+def parse_chat_request(raw: bytes, default_max_tokens: int, limits: PromptLimits | None = None) -> Request:
+    """Validate a chat-completions body → Request; ApiError(400) names the offending parameter, or the bound of
+    `limits` a prompt that cannot fit passes (checked before it is tokenized).
     Unknown top-level fields (user, logit_bias, ...) are ignored, as OpenAI-compatible servers commonly do."""
+    body = _json_object(raw)
+    messages = _messages(body, limits)
+    _refuse_unsupported(body)
+    return Request(messages, **_common(body, default_max_tokens))
+
+
+def parse_completion_request(raw: bytes, default_max_tokens: int, limits: PromptLimits | None = None) -> Request:
+    """Validate a (legacy) completions body → Request, as `parse_chat_request` does. `prompt` is one text, which
+    the model continues as it is: a string, or a list of one. A batch of prompts, token ids, `suffix`, `best_of`
+    and `logprobs` are refused by name; `echo` puts the prompt before the answer."""
+    body = _json_object(raw)
+    prompt = _prompt(body, limits)
+    if body.get("suffix") not in (None, ""):
+        raise ApiError(400, "suffix: text after the completion (insertion) is not supported; send the text to continue "
+                            "as prompt", "suffix", "unsupported_parameter")
+    best_of = body.get("best_of")
+    if isinstance(best_of, bool) or best_of not in (None, 1):
+        raise ApiError(400, "best_of: only one candidate per request is generated", "best_of", "unsupported_parameter")
+    if body.get("logprobs") is not None:
+        raise ApiError(400, "logprobs: log-probabilities are not returned by this server", "logprobs",
+                       "unsupported_parameter")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise ApiError(400, "echo must be true or false", "echo", "invalid_value")
+    return Request(prompt, **_common(body, default_max_tokens), echo=bool(echo))
+
+
+def _json_object(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -355,13 +430,37 @@ def parse_chat_request(raw: bytes, default_max_tokens: int, limits: PromptLimits
         raise ApiError(400, "request body is not valid JSON: nested too deeply", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object", None, "invalid_json")
-    messages = _messages(body, limits)
+    return body
+
+
+def _prompt(body: dict, limits: PromptLimits | None = None) -> str:
+    p = body.get("prompt")
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        p = p[0]
+    if not isinstance(p, str):
+        if p is None:
+            raise ApiError(400, "prompt is required: the text for the model to continue", "prompt",
+                           "missing_required_parameter")
+        if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+            why = f"a list of {len(p)} prompts is a batch; send one request per prompt"
+        elif isinstance(p, list) and p and all(isinstance(x, (int, list)) and not isinstance(x, bool) for x in p):
+            why = "token ids are not taken; send the text"
+        else:
+            why = "it must be a string (or a list of one string)"
+        raise ApiError(400, f"prompt: {why}", "prompt", "invalid_value")
+    if limits is not None:
+        limits.check_text(p)
+    return p
+
+
+def _common(body: dict, default_max_tokens: int) -> dict:
+    """What both endpoints take alike (model, n, max_tokens, sampling, stop, stream and its options, the edgespec
+    extensions) → Request's keyword arguments `params`, `stream`, `include_usage`."""
     if body.get("model") is not None and not isinstance(body["model"], str):  # any name is served (one model)
         raise ApiError(400, f"model must be a string (got {body['model']!r})", "model", "invalid_value")
     n = body.get("n")
     if isinstance(n, bool) or n not in (None, 1):
         raise ApiError(400, "n: only one choice per request is supported", "n", "invalid_value")
-    _refuse_unsupported(body)
     max_tokens = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
     seed = body.get("seed")
@@ -385,7 +484,7 @@ def parse_chat_request(raw: bytes, default_max_tokens: int, limits: PromptLimits
                   **_extensions(body))  # numpy seeds are unsigned; OpenAI's may be negative
     if params["top_p"] == 0:
         raise ApiError(400, "top_p must be in (0, 1] (got 0)", "top_p", "invalid_value")
-    return ChatRequest(messages, params, stream, bool((opts or {}).get("include_usage")))
+    return dict(params=params, stream=stream, include_usage=bool((opts or {}).get("include_usage")))
 
 
 # ---------------------------------------------------------------------------------------------- the engine's thread
@@ -393,7 +492,7 @@ def parse_chat_request(raw: bytes, default_max_tokens: int, limits: PromptLimits
 @dataclass(eq=False)  # a job is itself (Worker.withdraw finds it in the queue by identity)
 class Job:
     """One request handed to the worker; results come back on the event loop through `out`."""
-    request: ChatRequest
+    request: Request
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -415,7 +514,7 @@ OUTCOMES = ("completed", "cancelled", "rejected", "invalid", "failed")
 class Worker:
     """The only thread that touches the engine. Holds at most one running job plus `max_queue` waiting ones.
 
-    Counts each chat request's outcome once (`status`): completed; cancelled (its client left, or a shutdown cut it
+    Counts each request's outcome once (`status`): completed; cancelled (its client left, or a shutdown cut it
     short); rejected (503: the queue was full); invalid (4xx: a bad request, a prompt that cannot fit, a body too
     large or too slow, whether found while parsing or once queued); failed (500)."""
 
@@ -512,14 +611,12 @@ class Worker:
             return "cancelled"
         e, req = self.engine, job.request
         try:
-            n = len(e.encode(req.messages))
+            n = len(e.encode(req.prompt, raw=req.raw))
             if n >= e.context:
-                raise ApiError(400, f"the messages are {n} tokens but the context holds {e.context}; shorten the "
-                                    "conversation (or restart edge-serve with a larger --context)", "messages",
-                               "context_length_exceeded")
+                raise _too_long(req.param, str(n), e.context)
             if not self.reuse:
                 e.reset(keep_drafter_state=True)  # measure reuse's effect: prefill every prompt in full
-            stream, stopped = e.stream(req.messages, **req.params), False
+            stream, stopped = e.stream(req.prompt, raw=req.raw, **req.params), False
             try:
                 for ch in stream:
                     job.emit("chunk", ch)
@@ -561,36 +658,77 @@ def _counters(st) -> dict:
 
 
 class _Reply:
-    """The fields every response and chunk of one completion share."""
+    """The response, and the stream's chunks, of one chat completion (`chat.completion`, `chat.completion.chunk`):
+    the fields they all share, and the shape of a choice."""
+    prefix, kind, chunk_kind = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, model: str):
-        self.base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
+    def __init__(self, model: str, request: Request):
+        self.base = {"id": f"{self.prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": model,
                      "system_fingerprint": "edgespec"}
+        self.usage = {"usage": None} if request.include_usage else {}  # in every chunk until the usage chunk
 
     def completion(self, text: str, finish: str, st) -> dict:
-        return {**self.base, "object": "chat.completion",
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                             "finish_reason": finish}],
-                "usage": _usage(st), "edgespec": _counters(st)}
+        return {**self.base, "object": self.kind, "choices": [self.choice(text, finish)], "usage": _usage(st),
+                "edgespec": _counters(st)}
 
-    def chunk(self, delta: dict | None, finish: str | None = None, **extra) -> bytes:
-        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-        obj = {**self.base, "object": "chat.completion.chunk", "choices": choices, **extra}
+    def chunk(self, text: str | None, finish: str | None = None, **extra) -> bytes:
+        """One event with a piece of the text (None: no choice, as in the usage chunk)."""
+        return self._event([] if text is None else [self.delta(text, finish)], **extra)
+
+    def _event(self, choices: list, **extra) -> bytes:
+        obj = {**self.base, "object": self.chunk_kind, "choices": choices, **extra}
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+    def opening(self) -> bytes | None:
+        """The event before the first piece of text: the assistant's role."""
+        return self._event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                             "finish_reason": None}], **self.usage)
+
+    @staticmethod
+    def choice(text: str, finish: str | None) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                "finish_reason": finish}
+
+    @staticmethod
+    def delta(text: str, finish: str | None) -> dict:
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+
+
+class _TextReply(_Reply):
+    """The same for a text completion (`text_completion`, the object of OpenAI's legacy completions, streamed or
+    not); with `echo` the text starts with the prompt."""
+    prefix, kind, chunk_kind = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, model: str, request: Request):
+        super().__init__(model, request)
+        self.echo = valid_text(request.prompt) if request.echo else ""  # (as the tokenizer read it)
+
+    def completion(self, text: str, finish: str, st) -> dict:
+        return super().completion(self.echo + text, finish, st)
+
+    def opening(self) -> bytes | None:
+        return self.chunk(self.echo, **self.usage) if self.echo else None
+
+    @staticmethod
+    def choice(text: str, finish: str | None) -> dict:
+        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+
+    delta = choice
 
 
 async def _events(job: Job, reply: _Reply, first) -> object:
     """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
-    usage = {"usage": None} if job.request.include_usage else {}
-    yield reply.chunk({"role": "assistant", "content": ""}, **usage)
+    opening = reply.opening()
+    if opening is not None:
+        yield opening
     kind, value, finish = *first, None
     while kind == "chunk":
         if value.text:
-            yield reply.chunk({"content": value.text}, **usage)
+            yield reply.chunk(value.text, **reply.usage)
         finish = value.finish_reason or finish
         kind, value = await job.next()
     if kind == "done":
-        yield reply.chunk({}, finish or "length", **usage, edgespec=_counters(value))
+        yield reply.chunk("", finish or "length", **reply.usage, edgespec=_counters(value))
         if job.request.include_usage:
             yield reply.chunk(None, usage=_usage(value), edgespec=_counters(value))
     else:  # failed after the stream began: the status line is sent already, so say it in the stream
@@ -717,7 +855,7 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
 
     worker = Worker(engine, max_queue, reuse)
     limits = prompt_limits(engine)
-    model_id = engine.manifest.name
+    model_id, chat = engine.manifest.name, engine.has_chat_template
     started = int(time.time())
 
     class SSEResponse(StreamingResponse):
@@ -738,11 +876,15 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
         headers = {"Retry-After": "1"} if e.status == 503 else None
         return JSONResponse(e.body(), e.status, headers=headers)
 
-    async def chat_completions(request):
+    async def answer(request, parse, refusal: ApiError | None = None):
+        """One request of either endpoint: `parse` its body, or `refusal` once the body is in."""
         try:
-            req = parse_chat_request(await _read_body(request, max_body, body_timeout), default_max_tokens, limits)
-            if may_be_large(req.messages):
-                await asyncio.to_thread(refuse_if_surely_too_long, engine, req.messages)
+            body = await _read_body(request, max_body, body_timeout)
+            if refusal is not None:
+                raise refusal
+            req = parse(body, default_max_tokens, limits)
+            if may_be_large(req.prompt):
+                await asyncio.to_thread(refuse_if_surely_too_long, engine, req.prompt)
         except ApiError as e:  # answered before the queue: counted here, the worker counts the rest
             worker.note("cancelled" if e.status == 499 else "invalid")
             raise
@@ -754,7 +896,7 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
             kind, value = first = await job.next()
             if kind == "error":
                 raise value
-            reply = _Reply(model_id)
+            reply = (_TextReply if req.raw else _Reply)(model_id, req)
             if req.stream:
                 handed_off = True
                 return SSEResponse(_events(job, reply, first), job)
@@ -771,8 +913,17 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
             if not handed_off:
                 job.cancel.set()  # no-op when done; stops the generation if this handler was cancelled
 
+    async def chat_completions(request):
+        refusal = None if chat else ApiError(400, f"{base_model(model_id)}; send the text to continue to POST "
+                                                  "/v1/completions (prompt)", "messages", "no_chat_template")
+        return await answer(request, parse_chat_request, refusal)
+
+    async def completions(request):
+        return await answer(request, parse_completion_request)
+
     def model_card() -> dict:
-        return {"id": model_id, "object": "model", "created": started, "owned_by": "edgespec"}
+        return {"id": model_id, "object": "model", "created": started, "owned_by": "edgespec",
+                "edgespec": {"endpoints": list(ENDPOINTS if chat else ENDPOINTS[1:])}}
 
     async def models(request):
         return JSONResponse({"object": "list", "data": [model_card()]})
@@ -808,7 +959,8 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
         finally:
             worker.stop()
 
-    app = Starlette(routes=[Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    app = Starlette(routes=[Route(ENDPOINTS[0], chat_completions, methods=["POST"]),
+                            Route(ENDPOINTS[1], completions, methods=["POST"]),
                             Route("/v1/models", models), Route("/v1/models/{model:path}", model),
                             Route("/health", health)],
                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash},
@@ -1005,19 +1157,20 @@ def _load_params() -> set[str]:
     """edge.load's keyword parameters: the edge-chat flags of the same name are the engine flags."""
     import edge
 
-    return set(inspect.signature(edge.load).parameters) - {"model_dir", "progress"}
+    return set(inspect.signature(edge.load).parameters) - {"model", "progress"}
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..args import add_engine_args, add_version
+    from ..args import add_engine_args, add_model_arg, add_version
 
     ap = argparse.ArgumentParser(
         prog="edge-serve",
-        description="Serve a local model over the OpenAI chat-completions API (POST /v1/chat/completions, "
-                    "GET /v1/models, GET /health). With no --model-dir, the embedded SmolLM2-135M-Instruct is "
-                    "exported into the cache on first run, as edge-chat does.")
-    ap.add_argument("--model-dir", "--model", dest="model_dir", metavar="DIR",
-                    help="exported model directory (edge-export); default: the embedded model")
+        description="Serve a local model over the OpenAI API: chat completions (POST /v1/chat/completions), text "
+                    "completions (POST /v1/completions: a prompt the model continues as it is), GET /v1/models, "
+                    "GET /health. A base model without a chat template (gemma3-270m) serves text completions only; "
+                    "its chat completions get a 400 that says so. With no --model, the embedded "
+                    "SmolLM2-135M-Instruct is exported into the cache on first run, as edge-chat does.")
+    add_model_arg(ap, "--model", "--model-dir")
     ap.add_argument("--host", default="127.0.0.1",
                     help="address to bind (default 127.0.0.1, this machine only; anything else exposes the model "
                          "to the network without authentication)")
@@ -1132,7 +1285,7 @@ def main(argv=None) -> int:
     import edge
 
     try:
-        engine = edge.load(a.model_dir, **{k: v for k, v in vars(a).items() if k in _load_params()})
+        engine = edge.load(a.model, **{k: v for k, v in vars(a).items() if k in _load_params()})
     except (EngineError, ValueError) as e:  # ModelDirError is an EngineError
         print(f"edge-serve: error: {e}", file=sys.stderr)
         return 2
@@ -1155,8 +1308,9 @@ def main(argv=None) -> int:
     if not any(isinstance(f, RateLimitFilter) for f in accepts.filters):
         accepts.addFilter(RateLimitFilter(ACCEPT_ERROR))
     url_host = f"[{a.host}]" if ":" in a.host else a.host
+    base = "" if engine.has_chat_template else "; a base model without a chat template: POST /v1/completions only"
     print(f"edge-serve: {engine.manifest.name} (drafter {engine.default_drafter}, context {engine.context}) on "
-          f"http://{url_host}:{port}/v1", file=sys.stderr, flush=True)
+          f"http://{url_host}:{port}/v1{base}", file=sys.stderr, flush=True)
     # asyncio accepts up to `backlog` connections at a time before any of them can be turned away: keep a burst of
     # them (a few rounds) within the descriptors left, or accept() fails and the listener pauses for a second
     backlog = max(16, min(BACKLOG, (files - max_connections - FD_RESERVE // 4) // 3))

@@ -37,7 +37,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from ..args import add_version, int_at_least, non_negative_int, positive_int, was_interrupted
+from ..args import add_model_arg, add_version, int_at_least, non_negative_int, positive_int, was_interrupted
 from ..engine import ContextFull, EngineError
 from ..files import unwritable, write_atomic
 from ..measure import peak_rss_mb, reset_peak_rss
@@ -55,7 +55,7 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("prompts", nargs="?", default=str(DEFAULT_PROMPTS), metavar="PROMPTS",
                     help="JSONL file of {id, category, turns: [...]} (default: the 9 prompts shipped with edgespec, "
                          "3 each of code, math and qa; ../shared/workloads/public.jsonl has all six categories)")
-    ap.add_argument("--model", metavar="DIR", help="exported model directory (default: embedded model)")
+    add_model_arg(ap)
     ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
 
 

@@ -416,7 +416,7 @@ def main(argv=None) -> int:
         print(f"edge-profile: error: --out {out}: {problem}", file=sys.stderr)
         return 2
     try:
-        model_dir = Path(a.model) if a.model else edge.ensure_default_model()
+        model_dir = edge.resolve_model(a.model)
         want = max(max(a.latency_contexts) + max(a.sizes) + 8, ENGINE_CONTEXT)
         cap = load_manifest(model_dir, verify="none").target.max_len  # a smaller export: as much as it holds
         engine = edge.Engine(model_dir, drafter="none", threads=a.threads, context=min(want, cap))

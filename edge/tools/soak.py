@@ -22,7 +22,7 @@ from pathlib import Path
 
 from memory.footprint import recycling_bytes
 
-from ..args import add_version, non_negative_int, positive_int
+from ..args import add_model_arg, add_version, non_negative_int, positive_int
 from ..drafters import DRAFTER_CHOICES
 from ..files import unwritable
 from ..measure import peak_rss_mb, rss_bytes
@@ -125,7 +125,7 @@ def soak(engine, turns: int, max_tokens: int = 12, group: int = 20, interrupt_ev
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m edge.tools.soak", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-dir", help="exported model directory (default: the embedded model)")
+    add_model_arg(ap, "--model", "--model-dir")
     ap.add_argument("--turns", type=positive_int, default=500, help="chat turns in all (default 500)")
     ap.add_argument("--max-tokens", type=positive_int, default=12, help="new tokens per answer (default 12)")
     ap.add_argument("--group", type=positive_int, default=20,
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         if problem:  # found before the soak, not after it
             ap.error(f"--json {a.json}: {problem}")
     try:
-        engine = edge.load(a.model_dir, drafter=a.drafter, threads=a.threads, context=a.context, device="host")
+        engine = edge.load(a.model, drafter=a.drafter, threads=a.threads, context=a.context, device="host")
     except edge.EngineError as e:  # a ModelDirError too
         print(f"edge.tools.soak: error: {e}", file=sys.stderr)
         return 2
