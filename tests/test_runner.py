@@ -83,3 +83,13 @@ def test_padded_single_row_calls_equal_unpadded_ones(tiny_dir, tree):
     assert padded.shape == plain.shape == (1, s.vocab)
     np.testing.assert_allclose(padded, plain, atol=1e-4)
     assert out.top_ids.shape[0] == 1 and out.top_ids[0, 0] == plain[0].argmax()
+
+
+def test_sessions_stop_spinning_when_a_call_ends():
+    """Target and drafter sessions take turns on the same cores: a pool still spinning after its call would take
+    them from the other session's call."""
+    from edge.runner import session_options
+
+    so = session_options(2)
+    assert so.get_session_config_entry("session.force_spinning_stop") == "1"
+    assert so.intra_op_num_threads == 2
