@@ -24,6 +24,7 @@ import numpy as np
 from edge.manifest import (MANIFEST_NAME, OLD_MARKER, PARTIAL_MARKER, FileEntry, GraphEntry, Manifest, format_for,
                            sha256_file)
 from edge.text import TextCodec
+from memory.planner import FREE_CHAIN_ACCEPTANCE
 
 from . import calibration, distill, kvquant, reference, smooth
 from .checkpoint import Checkpoint, load_checkpoint
@@ -639,7 +640,7 @@ AUTO_PRECISIONS = ("int4", "w8a8")
 FALLBACK_PRECISION = "int8"  # built too when no AUTO_PRECISIONS candidate reaches FIDELITY_FLOOR
 FIDELITY_FLOOR = 0.93  # parity top-1 against the fp32 source a chosen precision must reach (if any candidate does)
 # the chain acceptance per draft token that prices speculation when candidates are compared (hybrid's typical rate)
-CHOICE_ACCEPTANCE = 0.6
+CHOICE_ACCEPTANCE = FREE_CHAIN_ACCEPTANCE
 CHOICE_CONTEXTS = (128, VERIFY_LONG_CONTEXT)
 
 

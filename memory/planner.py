@@ -37,6 +37,10 @@ DEFAULT_RECYCLING_MS = 0.10  # a breadth-first walk of the [V, k] adjacency matr
 # not measured: prompt lookup finds a match in about half the steps of a fresh chat; Token Recycling always drafts.
 DEFAULT_PRIORS = {"lookup": (0.30, 0.5), "recycling": (0.35, 1.0), "hybrid": (0.40, 1.0)}
 DEFAULT_MODEL_PRIOR = 0.30  # a model drafter whose manifest has no measured top1_agreement
+# per-token acceptance of free (lookup + recycling) chains on typical chat and completion text: what a model
+# drafter's chains must beat, call cost included, to be worth running (hybrid's measured acceptance on the public
+# workloads sits around it; it prices the export's precision choice too)
+FREE_CHAIN_ACCEPTANCE = 0.6
 DEFAULT_DRAFTERS = ("none", "lookup", "model")  # what edge/ runs today; pass drafters= to add "recycling"
 TREE_DRAFTERS = ("recycling", "hybrid")  # can fill a tree (ModelDrafter drafts chains); () if trees are inexact
 MAX_CHAIN = 16

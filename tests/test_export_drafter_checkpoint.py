@@ -194,14 +194,20 @@ def test_default_reuse_notices_a_changed_drafter_checkpoint(tmp_path, tiny_llama
     assert not _reusable(tmp_path / "m", tiny_llama_dir, opts)
 
 
-def test_auto_runs_a_drafter_that_agrees_often_enough(exported, tmp_path):
-    """`drafter="auto"` picks the model drafter once its measured agreement reaches 0.6 (a good checkpoint drafter),
-    and runs that graph; below it, the free drafters."""
+def test_auto_runs_a_drafter_that_earns_its_cost(exported, tmp_path):
+    """`drafter="auto"` picks the model drafter when its chains (measured agreement, measured call cost) are
+    expected to beat free chains, and runs that graph; a drafter that agrees rarely, or agrees often but costs
+    half a target call, leaves it to the free drafters."""
     copy = tmp_path / "m"
     shutil.copytree(exported[0], copy)
     assert edge.load(copy, context=256).default_drafter == "hybrid"  # random tiny drafters agree rarely
     raw = json.loads((copy / "edge_model.json").read_text())
-    raw["graphs"][3]["stats"]["top1_agreement"] = 0.7  # the trimmed checkpoint drafter
+    target_ms = raw["graphs"][0]["stats"]["latency_ms_s1"]
+    stats = raw["graphs"][3]["stats"]  # the trimmed checkpoint drafter
+    stats.update(top1_agreement=0.997, latency_ms_s1=target_ms / 2)
+    (copy / "edge_model.json").write_text(json.dumps(raw))
+    assert edge.load(copy, context=256).default_drafter == "hybrid"
+    stats.update(top1_agreement=0.9, latency_ms_s1=target_ms / 50)
     (copy / "edge_model.json").write_text(json.dumps(raw))
     e = edge.load(copy, context=256)
     assert e.default_drafter == "model"
