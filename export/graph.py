@@ -397,6 +397,7 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
     seqlens = g.node("Reshape", [seqlens, g.init("shape_1", np.array([1], np.int64))], name="seqlens_k")[0]
     if ft != TensorProto.FLOAT:
         biases = [g.node("Cast", [b], name=f"{b}_cast", to=ft)[0] for b in biases]
+    bias = biases[0]
 
     # GroupQueryAttention wants cos/sin rows for every slot it may see, the pad query's scratch slot included;
     # sliding layers (Gemma 3) have their own rotary base
