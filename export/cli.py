@@ -142,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"drafter depth(s) in layers (none: no drafter graph). Default, with no --drafter-vocab "
                          f"either: the exporter picks for the model, an early exit of {DEFAULT_DRAFTER[0]} layers "
                          f"with {DEFAULT_DRAFTER[1]} tokens where the layers dominate a step, every layer with the "
-                         f"{HEAD_DRAFTER_VOCAB} most frequent tokens where the LM head does (a large vocabulary on a "
+                         f"{HEAD_DRAFTER_VOCAB} most likely tokens where the LM head does (a large vocabulary on a "
                          f"small model: Gemma 3 270M); with --drafter-vocab only: {DEFAULT_DRAFTER[0]}")
     ap.add_argument("--drafter-vocab", type=non_negative_int, nargs="*", default=None,
                     help=f"trimmed drafter vocabulary size(s), the most frequent target tokens (default "

@@ -200,7 +200,8 @@ class _Engine:
         return m
 
     def encode(self, prompt, raw=False):
-        return [0] + [1] * len(prompt) if raw else [1, 2, 3]
+        # as Engine.encode: a string is raw text on a base model, one user turn on a chat model
+        return [0] + [1] * len(prompt) if raw or self.manifest.chat_template is None else [1, 2, 3]
 
 
 def _args(**kw):

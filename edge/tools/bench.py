@@ -246,10 +246,8 @@ def completes_raw(engine) -> bool:
 
 def _first_ids(engine, it: dict) -> list[int]:
     """The ids of the item's first turn as a chat's first turn sends them, or its raw prompt's on a model without
-    a chat template (what every runtime is fed)."""
-    if completes_raw(engine):
-        return engine.encode(it["turns"][0], raw=True)
-    return engine.encode([{"role": "user", "content": it["turns"][0]}])
+    a chat template (what every runtime is fed): `Engine.encode` of the text does either."""
+    return engine.encode(it["turns"][0])
 
 
 def _budget(engine, ids: list[int], max_tokens: int) -> int:
