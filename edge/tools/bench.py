@@ -230,7 +230,7 @@ def _run_one(engine, it: dict, mode: str, a, rep: int = 0, reference: dict | Non
             "steps": st.steps, "drafted": st.drafted, "accepted": st.accepted,
             "mean_accepted": st.mean_accepted, "target_s": st.target_s, "draft_s": st.draft_s,
             "overhead_ms_per_step": st.overhead_ms_per_step, "python_ms_per_step": st.python_ms_per_step,
-            "peak_rss_mb": peak_rss_mb() if own_peak else None}, reference, _end_ids(engine)))  # this turn's own
+            "peak_rss_mb": round(peak_rss_mb(), 1) if own_peak else None}, reference, _end_ids(engine)))  # this turn's own
     return recs
 
 
