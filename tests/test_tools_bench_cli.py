@@ -207,8 +207,9 @@ def test_each_run_records_its_own_peak_rss_and_one_token_answers_have_no_speed(m
 
     import numpy as np
 
-    from edge.measure import peak_rss_bytes
+    from edge.measure import peak_rss_bytes, reset_peak_rss
 
+    reset_peak_rss()  # from here, whatever earlier tests left resident: the spike below is the peak
     spike = np.ones(300 << 17)  # 300 MB touched and freed: the process's peak, not any run's
     del spike
     lifetime = peak_rss_bytes() / 2**20
