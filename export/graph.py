@@ -388,9 +388,8 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
     positions = "position_ids"
     if opts.pad_query:
         biases, positions = _pad_query_inputs(g, biases)
-    bias = biases[0]
     # T, seqlens_k = T - 1, from the (padded) mask's shape
-    shape = g.node("Shape", [bias], name="bias_shape")[0]
+    shape = g.node("Shape", [biases[0]], name="bias_shape")[0]
     t64 = g.node("Gather", [shape, g.init("const_3", np.array(3, np.int64))], name="total_len64", axis=0)[0]
     total = g.node("Cast", [t64], name="total_len", to=TensorProto.INT32)[0]
     seqlens = g.node("Sub", [total, g.init("const_one_i32", np.array(1, np.int32))], name="seqlens_scalar")[0]

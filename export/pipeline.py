@@ -501,24 +501,26 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
     stop = tf.eos
     produced = []
     mass = np.zeros(c.vocab, np.float64)  # the target's next-token probabilities, summed over the calibration text
-    for i, ids in enumerate(calib + held):
+    for ids in calib:
         gen = runner.greedy(ids, opts.calib_new_tokens, stop)
         logits = runner.logits(ids + gen[:-1])  # teacher-forced over the prompt and its continuation
-        target_next = logits[: len(ids)].argmax(-1)  # the predictions over the prompt
-        if i < len(calib):
-            p = np.exp(logits - logits.max(-1, keepdims=True))
-            mass += (p / p.sum(-1, keepdims=True)).sum(0)
-        produced.append((list(target_next), gen, ids))
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        mass += (p / p.sum(-1, keepdims=True)).sum(0)
+        produced.append((list(logits[: len(ids)].argmax(-1)), gen, ids))  # the predictions over the prompt
+    # held-out text: prompt + the target's own continuation, and the target's predictions over it. Agreement is
+    # scored where the target generated (the positions a drafter proposes for), not over the system prompt every
+    # chat shares.
+    held_text, held_target, held_scored = [], [], []
+    for ids in held:
+        gen = runner.greedy(ids, opts.calib_new_tokens, stop)
+        held_text.append(ids + gen)
+        held_target.append(runner.logits(ids + gen).argmax(-1))
+        held_scored.append(_generated(len(ids), len(ids) + len(gen)))
     steps.done()
     # vocabulary ranking: what the target produces (its own continuations + its next-token predictions), then,
     # among the many ids a few thousand tokens never show, the probability the target gave them
-    ranked = rank_vocabulary([p[0] + p[1] for p in produced[: len(calib)]], c.vocab,
+    ranked = rank_vocabulary([p[0] + p[1] for p in produced], c.vocab,
                              always=tuple(tf.eos) + ((tf.bos,) if tf.bos is not None else ()), mass=mass)
-    # held-out text: prompt + the target's own continuation. Agreement is scored where the target generated
-    # (the positions a drafter proposes for), not over the system prompt every chat shares.
-    held_text = [ids + gen for _, gen, ids in produced[len(calib) :]]
-    held_target = [runner.logits(t).argmax(-1) for t in held_text]
-    held_scored = [_generated(len(ids), len(ids) + len(gen)) for _, gen, ids in produced[len(calib) :]]
     past = min(128, max_len - VERIFY_SIZES)  # a short --max-len still leaves room for the probe
     target_ms = [runner.latency_ms(s, past=past, reps=20 if s == 1 else 10) for s in range(1, VERIFY_SIZES + 1)]
     del runner
@@ -528,7 +530,7 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
         steps.start("distillation data (target hidden states)")
         t = time.perf_counter()
         fit_data = _distill_data(part / target_file, c, sorted({n for n, _ in opts.drafters if n < c.layers}),
-                                 [(ids, gen) for _, gen, ids in produced[: len(calib)]], opts.threads)
+                                 [(ids, gen) for _, gen, ids in produced], opts.threads)
         fit_data["seconds"] = time.perf_counter() - t
         steps.done()
 
