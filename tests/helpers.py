@@ -1,7 +1,7 @@
 """Plain helpers shared by several test files (fixtures live in conftest.py): a command-line tool run as a user runs
 it, requests to a server on loopback and its event streams, the target's exact distribution over its first sampled
 tokens and the speculative counts to compare with it, the embedded SmolLM2-135M export's manifest numbers and the
-expected accepted length of a chain for the memory tests."""
+expected accepted length of a chain for the memory tests, and `edge-serve` started as a user starts it."""
 from __future__ import annotations
 
 import copy
@@ -31,6 +31,41 @@ def http_send(port, body, method="POST", path="/v1/chat/completions"):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request(method, path, None if body is None else json.dumps(body), {"Content-Type": "application/json"})
     return conn
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_edge_serve(model_dir, *args, stdout=subprocess.PIPE, preexec_fn=None, timeout: float = 120.0):
+    """`edge-serve --model-dir DIR --port P ARGS` in a child process, offline, its output to `stdout` (a pipe, or
+    an open log file) → (process, port) once GET /health answers 200. A child that exits first, or a server that
+    does not answer within `timeout` s, is an AssertionError (with the child's output when it was piped)."""
+    import time
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("edge-serve")
+    assert script.exists(), "edge-serve console script missing: pip install -e ."
+    port = free_port()
+    proc = subprocess.Popen([str(script), "--model-dir", str(model_dir), "--port", str(port), *map(str, args)],
+                            stdout=stdout, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout is not None else ""
+            raise AssertionError(f"edge-serve exited {proc.returncode}: {out}")
+        try:
+            if http_call(port, None, "GET", "/health")[0] == 200:
+                return proc, port
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("edge-serve did not answer /health in time")
 
 
 def http_call(port, body, method="POST", path="/v1/chat/completions"):

@@ -47,17 +47,10 @@ def test_adaptive_length_keeps_probing_a_drafter_it_switched_off(tiny_dir):
 
     from edge.draftlen import PROBE_EVERY, PROBE_K
 
-    class Frozen(AcceptanceStats):
-        def __init__(self):
-            super().__init__(0.0)
-            self.seen = []
-
-        def update(self, drafted, accepted, *a, **kw):
-            self.seen.append((drafted, accepted))
-
     e = edge.load(tiny_dir, drafter="none", context=256)
     ref = e.generate(PROMPTS[0], max_tokens=60, drafter="none")
-    e.policy.acceptance["model"] = frozen = Frozen()  # as if every draft so far had been rejected (a chain drafter)
+    # as if every draft so far had been rejected (a chain drafter), and held there
+    e.policy.acceptance["model"] = frozen = _Recorder(prior=0.0, learn=False)
     e.policy.verify_ms = lambda s: 10.0 + s
     assert e.policy.choose_k("model", 6) == 0
     r = e.generate(PROMPTS[0], max_tokens=60, drafter="model")
@@ -214,13 +207,16 @@ def fresh_chains_engine(tiny_dir):
 
 
 class _Recorder(AcceptanceStats):
-    def __init__(self):
-        super().__init__(0.5)
-        self.seen = []
+    """Acceptance statistics that record every update; `learn=False` keeps the estimate at its prior."""
+
+    def __init__(self, prior: float = 0.5, learn: bool = True):
+        super().__init__(prior)
+        self.seen, self.learn = [], learn
 
     def update(self, drafted, accepted, *a, **kw):
         self.seen.append((drafted, accepted))
-        super().update(drafted, accepted, *a, **kw)
+        if self.learn:
+            super().update(drafted, accepted, *a, **kw)
 
 
 class _Chains:

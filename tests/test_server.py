@@ -17,37 +17,16 @@ import pytest
 
 import edge
 from edge.engine import Chunk
+from helpers import start_edge_serve
 from edge.server.app import ApiError, Request, Job, Worker, parse_chat_request
 from edge.tools.serve_load import run_conversation, run_load
 
 MAX_QUEUE = 1  # small, so the load test meets the bounded queue
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_server(model_dir, *args, timeout=120.0):
-    """`edge-serve --model-dir DIR --port P ARGS` → (process, base url) once /health answers."""
-    script = Path(sys.executable).with_name("edge-serve")
-    assert script.exists(), "edge-serve console script missing: pip install -e ."
-    port = _free_port()
-    proc = subprocess.Popen([str(script), "--model-dir", str(model_dir), "--port", str(port), *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"edge-serve exited {proc.returncode}: {proc.stdout.read()}")
-        try:
-            if _get(port, "/health")[0] == 200:
-                return proc, port
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("edge-serve did not answer /health in time")
+    """`edge-serve --model-dir DIR --port P ARGS` → (process, port) once /health answers."""
+    return start_edge_serve(model_dir, *args, timeout=timeout)
 
 
 def _stop_server(proc) -> str:

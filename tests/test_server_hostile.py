@@ -12,7 +12,6 @@ import random
 import selectors
 import json
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import pytest
 
 import edge
 from conftest import serving
+from helpers import start_edge_serve
 from edge.engine import Chunk, Stats
 from edge.server import app as serve
 from edge.server.app import (ACCEPT_ERROR, CUT_SLACK, MAX_BODY, PIECE_CHARS, ApiError, ConnectionLimits, Job,
@@ -220,38 +220,16 @@ def test_accept_errors_are_logged_once_per_period_with_a_count():
 
 # ------------------------------------------------------------------------------ edge-serve at its descriptor limit
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(model_dir, log, *args, files=None):
     """`edge-serve` on a free port, its output to the file `log`; `files`: (soft, hard) open-file limit for the child
     only. → (process, port) once /health answers."""
-    script = Path(sys.executable).with_name("edge-serve")
-    assert script.exists(), "edge-serve console script missing: pip install -e ."
-    port = _free_port()
-
     def limit():
         if files is not None:
             import resource
 
             resource.setrlimit(resource.RLIMIT_NOFILE, files)
 
-    proc = subprocess.Popen([str(script), "--model-dir", str(model_dir), "--port", str(port), *map(str, args)],
-                            stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"edge-serve exited {proc.returncode}"
-        try:
-            if _call(port, timeout=5)[0] == 200:
-                return proc, port
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise AssertionError("edge-serve did not answer /health in time")
+    return start_edge_serve(model_dir, *args, stdout=log, preexec_fn=limit)
 
 
 def _stop(proc) -> None:
