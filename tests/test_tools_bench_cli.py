@@ -209,9 +209,14 @@ def test_each_run_records_its_own_peak_rss_and_one_token_answers_have_no_speed(m
 
     from edge.measure import peak_rss_bytes, reset_peak_rss
 
+    import mmap
+
     reset_peak_rss()  # from here, whatever earlier tests left resident: the spike below is the peak
-    spike = np.ones(300 << 17)  # 300 MB touched and freed: the process's peak, not any run's
-    del spike
+    # 300 MB touched and unmapped: the process's peak, not any run's. Mapped directly, so it leaves the process
+    # whatever the allocator does with freed memory (a heap that earlier tests grew may keep it resident)
+    spike = mmap.mmap(-1, 300 << 20)
+    np.frombuffer(spike, np.uint8)[::4096] = 1
+    spike.close()
     lifetime = peak_rss_bytes() / 2**20
     out = tmp_path / "b.json"
     rc, err = _main([str(_prompts(tmp_path, TWO)), "--model", model, "--reps", "1", "--max-tokens", "4",
