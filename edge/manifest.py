@@ -27,8 +27,9 @@ OLDEST_FORMAT = 1  # format 2 adds GraphEntry.arch (a drafter from its own check
 # takes k and the temperature per call and returns probabilities; 6: w8a8 smoothed before quantization, int4 blocks
 # keep their float minimum; 7: w8a8 weights as uint8 where the host's int8 GEMM saturates, `GraphEntry.w8a8_kernel`;
 # 8: w8a8 activations quantized by one blocked QuantizeLinear per linear (opset 21), 6 nodes instead of 8; 9: an int8
-# KV cache with static per-channel scales, the pad query row only where the host needs it)
-GRAPH_VERSION = 9
+# KV cache with static per-channel scales, the pad query row only where the host needs it; 10: the two-stage LM head,
+# `GraphEntry.head_rescore`)
+GRAPH_VERSION = 10
 FAST_HASH_BYTES = 16 << 20  # verify="fast" hashes files up to this size
 MANIFEST_NAME = "edge_model.json"
 # what a manifest may hold, checked before anything is sized from it. A real manifest is ~10 KB (mostly the chat
@@ -76,6 +77,9 @@ class GraphEntry:
     lm_head_bits: int = 0  # 0 = float head
     w8a8_kernel: str = "u8s8"  # w8a8: int8 weights (u8s8 GEMM) or uint8 ones (u8u8, exact on CPUs without VNNI)
     embedding_bits: int = 0  # 0 = float Gather table; else block-quantized rows (GatherBlockQuantized)
+    # > 0: a two-stage LM head, coarse 4-bit weights over the vocabulary, then this many candidates per row scored
+    # again from the embedding's rows (export.graph `_Builder.rescored_head`); 0 = one head at lm_head_bits
+    head_rescore: int = 0
     block_min: bool = False  # 4-bit layers keep their blocks' float minimums (export.quant.quantize_block_min)
     max_len: int = 0  # KV buffer capacity the rotary tables cover
     kv_dtype: str = "float32"
@@ -292,7 +296,7 @@ def _check_schema(raw: dict, where: Path, fix: str) -> None:
         choice(g, "precision", f"{n}.precision", PRECISIONS, optional=False)
         whole(g, "max_len", f"{n}.max_len", MIN_MAX_LEN, MAX_MAX_LEN)
         for key, hi in (("block_size", 1 << 16), ("accuracy_level", 4), ("lm_head_bits", 16), ("embedding_bits", 16),
-                        ("weight_bytes", MAX_FILE_BYTES)):
+                        ("head_rescore", MAX_VOCAB), ("weight_bytes", MAX_FILE_BYTES)):
             if key in g:
                 whole(g, key, f"{n}.{key}", 0, hi)
         choice(g, "w8a8_kernel", f"{n}.w8a8_kernel", ("u8s8", "u8u8"))

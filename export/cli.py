@@ -14,7 +14,7 @@ from edge.manifest import ModelDirError, load_manifest
 
 from . import catalog
 from .checkpoint import CheckpointError
-from .graph import GRAPH_VERSION, KV_CACHES, PRECISIONS, W8A8_KERNELS
+from .graph import GRAPH_VERSION, HEAD_RESCORE, KV_CACHES, PRECISIONS, W8A8_KERNELS
 from .pipeline import (AUTO_PRECISIONS, DEFAULT_DRAFTER, DEFAULT_KV_CACHE, DEFAULT_PRECISION, FALLBACK_PRECISION,
                        FIDELITY_FLOOR, HEAD_DRAFTER_VOCAB, PAD_ROWS, ExportOptions, export_lock, export_model,
                        source_digest)
@@ -129,6 +129,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="LM head (and, for int4/int8/w8a8, embedding) precision, for every --precision: 0 = float "
                          "(default for fp32/fp16), 4 or 8 = blocks (default 8 for int4/int8/w8a8). Not with --via "
                          "optimum, which quantizes the LM head at --precision")
+    ap.add_argument("--head-rescore", type=non_negative_int, default=HEAD_RESCORE, metavar="N",
+                    help=f"two-stage LM head for a tied 8-bit head over the full vocabulary (default {HEAD_RESCORE}): "
+                         "a 4-bit head ranks every token, then the N best of each row are scored again from the "
+                         "8-bit embedding rows. Half the bytes per token of the 8-bit head, with its top tokens; "
+                         "0 = one 8-bit head")
     ap.add_argument("--kv-cache", choices=("auto",) + KV_CACHES, default=None,
                     help=f"KV cache of the target and its early-exit drafters (default {DEFAULT_KV_CACHE}: int8 under "
                          "int4/int8/w8a8 weights, float under fp32/fp16): int8 = one byte per value with static "
@@ -226,7 +231,7 @@ def main(argv=None) -> int:
         _parser().error(f"--w8a8-kernel applies to --precision w8a8 only; {a.precision} has no w8a8 layers: drop it")
     try:
         opts = ExportOptions(precision=a.precision, block_size=a.block_size, accuracy_level=a.accuracy_level,
-                             lm_head_bits=a.lm_head_bits, block_min=not a.integer_zero_points, smooth=not a.no_smooth,
+                             lm_head_bits=a.lm_head_bits, head_rescore=a.head_rescore, block_min=not a.integer_zero_points, smooth=not a.no_smooth,
                              max_len=a.max_len, drafters=drafters, drafter_checkpoints=drafter_cks,
                              calib_new_tokens=a.calib_tokens, parity=not a.no_parity, threads=a.threads,
                              w8a8_kernel=None if a.w8a8_kernel == "auto" else a.w8a8_kernel,

@@ -32,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edge.manifest import GRAPH_VERSION  # noqa: F401  (bumped with every change to what this builder writes)
 from kernels.postprocess import sampling_head
-from memory.footprint import PRECISIONS
+from memory.footprint import COARSE_HEAD_BITS, COARSE_HEAD_BLOCK, HEAD_RESCORE, PRECISIONS
 
 from .checkpoint import Checkpoint
 from .quant import block_sum_matrix, quantize_asymmetric, quantize_block_min, quantize_blockwise, unpack4
@@ -56,6 +56,9 @@ class GraphOptions:
     layers: int | None = None  # early-exit drafter: the first N layers (+ final norm + head)
     max_len: int | None = None  # rotary table length; default: the model's max positions
     topk: int = 8  # 0: no on-graph head; else the head (kernels/postprocess.py), whose k the runtime feeds per call
+    # > 0: a two-stage LM head (`_Builder.rescored_head`) where it applies (`rescores`): a coarse 4-bit head over the
+    # whole vocabulary, then these best candidates of each row scored again from the 8-bit embedding rows
+    head_rescore: int = HEAD_RESCORE
     pad_query: bool = True  # one extra attention query row, so 1-token calls compute what verify calls compute
     # w8a8 weights: "u8s8" int8 (MLAS' u8s8 GEMM: VNNI's fast path, but it saturates on CPUs without VNNI) or
     # "u8u8" uint8 around 128 (exact on every CPU); None: `devices.int8_gemm_exact` decides for this host
@@ -94,6 +97,12 @@ class GraphOptions:
             return False
         ks = ((hidden, q_dim, intermediate) if self.bits == 4 else ()) + ((hidden,) if self.head_bits == 4 else ())
         return any(k % self.block_size == 0 for k in ks)
+
+    def rescores(self, tied: bool, hidden: int, vocab: int, trimmed: bool = False) -> bool:
+        """Does a graph of this model get the two-stage head? Its exact rows are the embedding's own block-quantized
+        rows, so only a tied head whose embedding is stored at the head's 8 bits, over the full vocabulary."""
+        return (self.head_rescore > 0 and tied and not trimmed and self.head_bits == 8
+                and self.embedding_bits(hidden) == 8 and vocab > self.head_rescore)
 
     @property
     def head_bits(self) -> int | None:
@@ -154,6 +163,7 @@ class _Builder:
         self._constants: dict[str, np.ndarray | None] = {}
         self._row_zeros: dict[str, str] = {}  # rows → shared w8a8 zero-point tensor
         self._n = 0
+        self._embed_rows: tuple[list[str], int] | None = None  # GatherBlockQuantized inputs and bits of the table
 
     def init(self, name: str, arr: np.ndarray) -> str:
         """A named initializer; asking again for the same name (a shared constant) reuses the first one. Only
@@ -261,6 +271,41 @@ class _Builder:
                                              value=numpy_helper.from_array(np.array([128], np.uint8)))[0]
         return self._row_zeros[key]
 
+    def rescored_head(self, x: str, w: np.ndarray, embed_scale: float) -> str:
+        """Logits [1, R, V] for x [1, R, K] in two stages. A coarse head, w at 4 bits in blocks of 32 with no zero
+        points, ranks the whole vocabulary; the `head_rescore` best of each row
+        are then scored again as float dot products with their rows of the 8-bit embedding table (the same
+        GatherBlockQuantized the input embedding reads, divided by the embedding's scale), and written over their
+        coarse logits. The other logits stay coarse: they only decide which tokens are candidates, and what sampling
+        gives the far tail.
+
+        Why: a 1-row call reads every weight of the head once. At 8 bits a 262,144 × 640 head is 168 MB a token and
+        more than half of a Gemma 3 270M call; at 4 bits it is 84 MB, and the 8-bit table it rescores
+        from is read only at the candidates' rows (and needs no prepacked copy). Every stage works on each row
+        alone, so a token's logits do not depend on how many rows share its call, as the layers' do not."""
+        n, k = w.shape
+        cb, cand = COARSE_HEAD_BLOCK, self.o.head_rescore
+        b, s = _once(quantize_blockwise, w, COARSE_HEAD_BITS, cb)
+        coarse = self.node("MatMulNBits", [x, self.init("lm_head_coarse.qweight", b),
+                                           self.init("lm_head_coarse.scales", s.astype(self.np_ft))],
+                           domain=MS, name="lm_head_coarse", K=k, N=n, bits=COARSE_HEAD_BITS, block_size=cb,
+                           accuracy_level=self.o.accuracy_level)[0]
+        _, ids = self.node("TopK", [coarse, self.init("head_rescore_k", np.array([cand], np.int64))], n_out=2,
+                           name="head_candidates", axis=-1, largest=1, sorted=0)
+        inputs, bits = self._embed_rows
+        rows = self.node("GatherBlockQuantized", [inputs[0], ids] + inputs[2:], domain=MS, name="head_rows",
+                         bits=bits, block_size=self.o.block_size, gather_axis=0, quantize_axis=2)[0]
+        rows = self.node("Reshape", [rows, self.init("head_rows_shape", np.array([1, -1, cand, k], np.int64))],
+                         name="head_rows_flat")[0]  # [1, R, C, K]
+        col = self.node("Unsqueeze", [x, self.init("axes_last", np.array([-1], np.int64))], name="head_x_col")[0]
+        exact = self.node("MatMul", [rows, col], name="head_rescore")[0]  # [1, R, C, 1]
+        exact = self.node("Reshape", [exact, self.init("head_exact_shape", np.array([1, -1, cand], np.int64))],
+                          name="head_exact")[0]
+        if embed_scale != 1:
+            exact = self.node("Mul", [exact, self.init("head_unscale", np.array(1 / embed_scale, self.np_ft))],
+                              name="head_unscale")[0]
+        return self.node("ScatterElements", [coarse, ids, exact], name="lm_head", axis=-1)[0]
+
     def rms_norm(self, x: str, w: np.ndarray, name: str, eps: float) -> str:
         return self.node("SimplifiedLayerNormalization", [x, self.init(f"{name}.weight", w.astype(self.np_ft))],
                          name=name, axis=-1, epsilon=eps, stash_type=1)[0]
@@ -283,6 +328,7 @@ class _Builder:
                   self.init("embed_tokens.scales", scales.astype(self.np_ft).reshape(v, nb, 1))]
         if z is not None:
             inputs.append(self.init("embed_tokens.zero_points", z.reshape(v, -1)[:, :nb].reshape(v, nb, 1)))
+        self._embed_rows = (inputs, bits)
         rows = self.node("GatherBlockQuantized", inputs, domain=MS, name="embed", bits=bits,
                          block_size=self.o.block_size, gather_axis=0, quantize_axis=2)[0]  # [1, S, n_blocks, blob]
         return self.node("Reshape", [rows, self.init("embed_out_shape", np.array([1, -1, w.shape[1]], np.int64))],
@@ -488,7 +534,10 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
     x = g.node("Slice", [x, neg, g.init("int_max", np.array([2**62], np.int64)), g.init("axis_1", np.array([1], np.int64))],
                name="keep_rows")[0]
     head = ck.lm_head if vocab_ids is None else ck.lm_head[np.asarray(vocab_ids)]
-    logits = g.linear(x, head, "lm_head", opts.head_bits, rows="R")
+    if opts.rescores(c.tie_embeddings, c.hidden, head.shape[0], trimmed=vocab_ids is not None):
+        logits = g.rescored_head(x, head, c.embed_scale)
+    else:
+        logits = g.linear(x, head, "lm_head", opts.head_bits, rows="R")
     if ft != TensorProto.FLOAT:
         logits = g.node("Cast", [logits], name="logits_cast", to=TensorProto.FLOAT)[0]
     g.node("Identity", [logits], name="logits_out", outputs=["logits"])

@@ -24,6 +24,7 @@ import numpy as np
 from edge.manifest import (MANIFEST_NAME, OLD_MARKER, PARTIAL_MARKER, FileEntry, GraphEntry, Manifest, format_for,
                            sha256_file)
 from edge.text import TextCodec
+from memory.footprint import HEAD_RESCORE
 from memory.planner import FREE_CHAIN_ACCEPTANCE
 
 from . import calibration, distill, kvquant, reference, smooth
@@ -74,6 +75,7 @@ class ExportOptions:
     block_size: int = 32
     accuracy_level: int = 4
     lm_head_bits: int | None = None
+    head_rescore: int = HEAD_RESCORE  # the two-stage head's candidates per row (0: one head at lm_head_bits)
     block_min: bool = True  # 4-bit layers keep their blocks' float minimums (export.quant.quantize_block_min)
     smooth: bool = True  # w8a8: even out the target's (and its early-exit drafters') linear inputs (export/smooth.py);
     # a separate --drafter-checkpoint is not smoothed
@@ -142,7 +144,8 @@ class ExportOptions:
 
     def graph_options(self, max_len: int, layers: int | None = None) -> GraphOptions:
         return GraphOptions(precision=self.precision, block_size=self.block_size, accuracy_level=self.accuracy_level,
-                            lm_head_bits=self.lm_head_bits, block_min=self.block_min, layers=layers, max_len=max_len,
+                            lm_head_bits=self.lm_head_bits, head_rescore=self.head_rescore, block_min=self.block_min,
+                            layers=layers, max_len=max_len,
                             w8a8_kernel=self.w8a8_kernel,
                             kv_cache=self.resolved_kv_cache,
                             pad_query=self.pad_row != "off")
@@ -540,6 +543,8 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
                          lm_head_bits=target_opts.head_bits or 0, w8a8_kernel=target_opts.w8a8_kernel,
                          block_min=target_opts.uses_block_min(c.hidden, c.heads * c.head_dim, c.intermediate),
                          embedding_bits=target_opts.embedding_bits(c.hidden), max_len=max_len,
+                         head_rescore=target_opts.head_rescore
+                         if target_opts.rescores(c.tie_embeddings, c.hidden, c.vocab) else 0,
                          kv_dtype=target_opts.kv_cache,
                          stats={"latency_ms_s1": round(target_ms[0], 3),
                                 "latency_ms_by_s": [round(t, 3) for t in target_ms],

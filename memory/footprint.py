@@ -33,6 +33,12 @@ PAGE = 4096
 DRAFTERS = ("none", "lookup", "recycling", "hybrid", "model")  # hybrid: lookup chains + recycling trees
 PRECISIONS = ("fp32", "fp16", "int8", "int4", "w8a8")
 QUANT_BITS = {"int4": 4, "int8": 8, "w8a8": 8}
+# the two-stage LM head (export.graph `_Builder.rescored_head`): a coarse 4-bit head without zero points, and this
+# many candidates per row scored again at 8 bits. Its blocks stay at 32: for blocks of 64 and 128 MatMulNBits'
+# int8-activation kernels computed a lone row another way than the same row in wider calls (Zen 5, ORT 1.32)
+COARSE_HEAD_BITS = 4
+COARSE_HEAD_BLOCK = 32
+HEAD_RESCORE = 64
 # Element size of the float tensors (embedding, norms, rotary tables, scales, float matmuls): the exporter keeps
 # fp32 floats for quantized bodies and switches everything to fp16 only for an fp16 export (export/graph.py).
 FLOAT_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int4": 4, "w8a8": 4}
@@ -153,13 +159,15 @@ class WeightBytes:
 def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int | None = None,
                          precision: str = "int4", block_size: int = 32, lm_head_bits: int | None = None,
                          max_len: int | None = None, zero_points: bool = True, adapter: bool = False,
-                         embedding_bits: int = 0, block_min: bool = True) -> WeightBytes:
+                         embedding_bits: int = 0, block_min: bool = True, head_rescore: int = 0) -> WeightBytes:
     """What `export.graph.build_graph` writes for these settings, from architecture numbers alone (what-if planning:
     another precision, block size, drafter depth or trimmed vocabulary). `vocab`: the logits width (trimmed for
     drafters; the embedding always covers the full vocabulary). `lm_head_bits`: None = the exporter's default
     (8 for int bodies, float for fp32/fp16), 0 = float head. `embedding_bits`: 0 = float Gather table, else
     block-quantized rows with one scale (and one zero-point byte) per block. `block_min`: 4-bit layers keep their
-    blocks' float minimums (residual blocks, plus one block-sum matrix [K, 32·extra] per distinct K, in `other`)."""
+    blocks' float minimums (residual blocks, plus one block-sum matrix [K, 32·extra] per distinct K, in `other`).
+    `head_rescore` > 0: the two-stage head, whose weights are the coarse 4-bit ones (its exact rows are the
+    embedding's)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     a = arch
@@ -194,7 +202,8 @@ def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int
     return WeightBytes(
         embedding=a["vocab"] * row,
         body=layer * layers,
-        head=lin(hidden, vocab, head_bits),
+        head=(linear_bytes(hidden, vocab, COARSE_HEAD_BITS, COARSE_HEAD_BLOCK, fb, zero_points=False)
+              if head_rescore else lin(hidden, vocab, head_bits)),
         rotary=2 * max_len * (hd // 2) * fb,
         norms=(2 * layers + 1) * hidden * fb,
         other=other,
@@ -211,7 +220,7 @@ def graph_weight_bytes(manifest, graph) -> WeightBytes:
     w = predict_weight_bytes(manifest.arch_of(graph), layers=graph.layers, vocab=graph.vocab, precision=graph.precision,
                              block_size=graph.block_size or 32, lm_head_bits=graph.lm_head_bits,
                              max_len=graph.max_len or None, embedding_bits=graph.embedding_bits,
-                             block_min=graph.block_min)
+                             block_min=graph.block_min, head_rescore=graph.head_rescore)
     if graph.weight_bytes:
         w = replace(w, other=w.other + graph.weight_bytes - w.total)
     return w

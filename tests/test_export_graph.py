@@ -105,18 +105,20 @@ def test_quantized_graph_io(tiny_llama, precision, kv_type):
     model = build_graph(tiny_llama, GraphOptions(precision=precision, max_len=64))
     check_header(model)
     assert io_table(model) == expected_io(3, VOCAB, kv_type)
-    nbits = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
-    if precision == "w8a8":  # qkv, o, gate_up, down per layer + the head, all int8 x int8
-        assert not nbits
-        assert len([n for n in model.graph.node if n.op_type == "MatMulIntegerToFloat"]) == 4 * 3 + 1
-    elif precision == "fp16":
+    nbits = {n.name: {a.name: a.i for a in n.attribute}["bits"] for n in model.graph.node if n.op_type == "MatMulNBits"}
+    if precision == "fp16":
         assert not nbits
         assert {t.data_type for t in model.graph.initializer if t.name.endswith(".weight")} == {TensorProto.FLOAT16}
-    else:
-        # qkv, o, gate_up, down per layer + the 8-bit head
-        assert len(nbits) == 4 * 3 + 1
-        bits = {n.name: {a.name: a.i for a in n.attribute}["bits"] for n in nbits}
-        assert bits.pop("lm_head") == 8 and set(bits.values()) == {int(precision[3:])}
+        return
+    # the tied 8-bit head is two-stage: a coarse 4-bit head, then its candidates' 8-bit embedding rows
+    assert nbits.pop("lm_head_coarse") == 4
+    assert [n.op_type for n in model.graph.node if n.name in ("head_rows", "lm_head")] == \
+        ["GatherBlockQuantized", "ScatterElements"]
+    if precision == "w8a8":  # qkv, o, gate_up, down per layer, all int8 x int8
+        assert not nbits
+        assert len([n for n in model.graph.node if n.op_type == "MatMulIntegerToFloat"]) == 4 * 3
+    else:  # qkv, o, gate_up, down per layer
+        assert len(nbits) == 4 * 3 and set(nbits.values()) == {int(precision[3:])}
 
 
 def test_without_topk(tiny_llama):

@@ -406,12 +406,33 @@ def runner(path, ck, kv_dtype=np.float32) -> GraphRunner:
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_quantized_graph_equals_dequantized_reference(tiny_llama, graph_file, prompts, precision, symmetric):
-    """fp32 activations: the int graph is exactly the reference on de-quantized weights (graph ≡ arithmetic)."""
+    """fp32 activations: the int graph is exactly the reference on de-quantized weights (graph ≡ arithmetic). One
+    8-bit head here; the two-stage head's arithmetic is the next test's."""
     bits = int(precision[3:])
     qck = dequantized_checkpoint(tiny_llama, bits, 8, 32, symmetric)
-    r = runner(graph_file(precision=precision, symmetric=symmetric, accuracy_level=0), tiny_llama)
+    r = runner(graph_file(precision=precision, symmetric=symmetric, accuracy_level=0, head_rescore=0), tiny_llama)
     for ids in prompts:
         np.testing.assert_allclose(r.logits(ids), reference.forward(qck, ids), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_two_stage_head_equals_its_arithmetic(tiny_llama, graph_file, prompts, precision, symmetric):
+    """fp32 activations: the two-stage head's logits are the coarse head's (4-bit symmetric blocks of 32), except
+    at each row's `head_rescore` best coarse logits, which are the 8-bit embedding rows' dot products."""
+    bits = int(precision[3:])
+    opts = GraphOptions(precision=precision, symmetric=symmetric, accuracy_level=0, max_len=128)
+    qck = dequantized_checkpoint(tiny_llama, bits, 8, 32, symmetric)  # head = the embedding's 8-bit rows
+    coarse_w = dequantize_blockwise(*quantize_blockwise(tiny_llama.lm_head, 4, 32), 4, 32, tiny_llama.config.hidden)
+    cck = Checkpoint(qck.config, {**qck.weights, "lm_head.weight": coarse_w}, qck.source, qck.source_format)
+    r = runner(graph_file(precision=precision, symmetric=symmetric, accuracy_level=0), tiny_llama)
+    for ids in prompts[:2]:
+        coarse, exact = reference.forward(cck, ids), reference.forward(qck, ids)
+        cand = np.argsort(-coarse, axis=1, kind="stable")[:, :opts.head_rescore]
+        want = coarse.copy()
+        np.put_along_axis(want, cand, np.take_along_axis(exact, cand, 1), 1)
+        np.testing.assert_allclose(r.logits(ids), want, atol=1e-4, rtol=0)
+        assert not np.allclose(coarse, exact, atol=1e-3)  # the two stages differ: the test sees which one is where
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
@@ -528,7 +549,7 @@ def test_footprint_predicts_w8a8_weights_to_the_byte(tiny_llama):
     from memory.footprint import predict_weight_bytes
 
     c = tiny_llama.config
-    m = build_graph(tiny_llama, GraphOptions(precision="w8a8", max_len=64))
+    m = build_graph(tiny_llama, GraphOptions(precision="w8a8", max_len=64, head_rescore=0))
     written = {p: sum(numpy_helper.to_array(t).nbytes for t in m.graph.initializer
                       if t.name.endswith((".qweight", ".scales")) and t.name.split("/")[0].startswith(p))
                for p in ("l", "lm_head")}
@@ -546,7 +567,7 @@ def test_footprint_predicts_block_min_weights_to_the_byte(tiny_llama, head_bits)
     from memory.footprint import predict_weight_bytes
 
     c = tiny_llama.config
-    m = build_graph(tiny_llama, GraphOptions(precision="int4", max_len=64, lm_head_bits=head_bits))
+    m = build_graph(tiny_llama, GraphOptions(precision="int4", max_len=64, lm_head_bits=head_bits, head_rescore=0))
     size = {t.name: numpy_helper.to_array(t).nbytes for t in m.graph.initializer}
     assert any(n.op_type == "MatMulNBits" and "/with_sums/" in n.input[0] for n in m.graph.node)
     arch = {"layers": c.layers, "vocab": c.vocab, "hidden": c.hidden, "head_dim": c.head_dim,
@@ -635,7 +656,7 @@ def test_graph_with_partial_blocks_equals_dequantized_reference(odd_checkpoints,
     block-minimum layers at all."""
     ck = odd_checkpoints[kind]
     c = ck.config
-    opts = GraphOptions(precision=precision, max_len=64, accuracy_level=0)
+    opts = GraphOptions(precision=precision, max_len=64, accuracy_level=0, head_rescore=0)
     model = build_graph(ck, opts)
     has_sums = any(n.name.endswith("/block_sums") for n in model.graph.node)
     assert opts.uses_block_min(c.hidden, c.heads * c.head_dim, c.intermediate) == has_sums
@@ -661,7 +682,7 @@ def test_builds_inside_reuse_quantization_quantize_a_large_table_once(tiny_llama
 
     monkeypatch.setattr(graph, "quantize_asymmetric", counted)
     monkeypatch.setattr(graph, "MEMO_MIN", VOCAB * 64)  # the tiny model's table counts as large, its layers do not
-    opts = GraphOptions(precision="int8", max_len=64)
+    opts = GraphOptions(precision="int8", max_len=64, head_rescore=0)
     with graph.reuse_quantization():
         a = build_graph(tiny_llama, opts)
         b = build_graph(tiny_llama, opts)
