@@ -43,6 +43,44 @@ PROMPTS = [
 ]
 HELD_OUT = 6
 
+# longer held-out text for the parity report (written for edgespec, used nowhere else): with the held-out prompts,
+# some 600-700 positions, so a 0.93 fidelity floor is told from 0.91 (a 53-position sample could not: ±0.035)
+PARITY_TEXTS = [
+    "The old lighthouse on the northern cape was switched off in 1987, when satellite navigation made its beam "
+    "unnecessary. For ten years the building stood empty. The paint peeled, gulls nested in the lamp room, and the "
+    "keeper's cottage lost half of its roof in a winter storm. Then a group of volunteers from the nearby village "
+    "formed a trust, raised money with concerts and bake sales, and bought the site from the coast guard for a "
+    "symbolic price. They repaired the roof first, because water was the greatest danger to the stone walls. Next "
+    "came the windows, the stairs and finally the lamp itself, which a retired engineer rebuilt with parts he found "
+    "in three different countries. Today the light shines again every summer evening, not to guide ships, but to "
+    "remind the village of what people can do together.",
+    "def merge_intervals(intervals):\n"
+    "    \"\"\"Merge overlapping [start, end] intervals and return them sorted by start.\"\"\"\n"
+    "    if not intervals:\n"
+    "        return []\n"
+    "    ordered = sorted(intervals, key=lambda pair: pair[0])\n"
+    "    merged = [list(ordered[0])]\n"
+    "    for start, end in ordered[1:]:\n"
+    "        last = merged[-1]\n"
+    "        if start <= last[1]:\n"
+    "            last[1] = max(last[1], end)\n"
+    "        else:\n"
+    "            merged.append([start, end])\n"
+    "    return merged\n\n\n"
+    "def test_merge_intervals():\n"
+    "    assert merge_intervals([]) == []\n"
+    "    assert merge_intervals([[1, 3], [2, 6], [8, 10]]) == [[1, 6], [8, 10]]\n"
+    "    assert merge_intervals([[5, 7], [1, 2]]) == [[1, 2], [5, 7]]\n",
+    "Meeting notes, product team, Tuesday. Present: Maria (design), Tom (backend), Priya (mobile), Jun (support). "
+    "1. Release: the 2.4 update is ready except for the offline mode, which still loses edits made while the phone "
+    "switches networks. Tom thinks the sync queue drops the last item; he will add a test that reproduces it by "
+    "Thursday. 2. Support: Jun reports that most tickets this month asked how to export data to a spreadsheet. "
+    "Maria suggests a button on the history page instead of the hidden menu entry. Everyone agreed. 3. Planning: "
+    "Priya asked for two weeks without new features to clean up the settings screens, which have grown to eleven "
+    "pages. Decision: the cleanup starts after the release, and the export button ships with it. Next meeting: "
+    "Tuesday at ten.",
+]
+
 
 def encode(codec, text: str, chat: bool) -> list[int]:
     """A calibration prompt as the model is used: a user turn of a chat model's template, or, for a completion

@@ -30,7 +30,7 @@ from memory.planner import FREE_CHAIN_ACCEPTANCE
 from . import calibration, distill, kvquant, reference, smooth
 from .checkpoint import Checkpoint, load_checkpoint
 from .provenance import VERIFY_SIZES, converter_versions, source_digest
-from .evaluate import GraphRunner, parity, rank_vocabulary
+from .evaluate import GraphRunner, parity, rank_vocabulary, reference_top
 from .graph import (GRAPH_VERSION, KV_CACHES, PRECISIONS, GraphOptions, build_graph, host_w8a8_kernel,
                     reuse_quantization, save_model)
 from .tokenizer import write_tokenizer
@@ -472,10 +472,14 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
     prompts = [p[-room:] for p in prompts]
     calib, held = prompts[: -calibration.HELD_OUT], prompts[-calibration.HELD_OUT :]
 
-    ref = [reference.forward(ck, ids) for ids in held[:3]] if opts.parity or opts.precision == "auto" else []
+    # parity: the held-out prompts and the longer held-out texts, against the reference's best tokens
+    checked = held + [calibration.encode(codec, t, tf.chat_template is not None)[-room:]
+                      for t in calibration.PARITY_TEXTS]
+    ref = ([reference_top(reference.forward(ck, ids)) for ids in checked]
+           if opts.parity or opts.precision == "auto" else [])
     candidates = [_target_candidate(ck, replace(opts, precision=p, w8a8_kernel=opts.w8a8_kernel
-                                                if p == opts.precision else None), part, max_len, calib, held, ref,
-                                    steps)
+                                                if p == opts.precision else None), part, max_len, calib, checked,
+                                    ref, steps)
                   for p in (AUTO_PRECISIONS if opts.precision == "auto" else (opts.precision,))]
     if opts.precision == "auto" and not any(t.fidelity >= FIDELITY_FLOOR for t in candidates):
         # neither fast precision is faithful to this model (Gemma 3: int4 re-quantizes its 5- and 6-bit GGUF
@@ -483,7 +487,7 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
         # activation scales, at the cost of twice int4's weight bytes
         steps.drop(-1)
         candidates.append(_target_candidate(ck, replace(opts, precision=FALLBACK_PRECISION, w8a8_kernel=None),
-                                            part, max_len, calib, held, ref, steps))
+                                            part, max_len, calib, checked, ref, steps))
     chosen = choose_target(candidates)
     # the decision and its evidence, host named: a cached default export is rebuilt where another host decides
     choice = {"host": host_signature(), "precision": chosen.opts.precision, "pad_row": chosen.graph_opts.pad_query,
@@ -704,11 +708,11 @@ def choose_target(candidates: list[_Target]) -> _Target:
     return max(faithful, key=lambda t: t.tokens_per_s)
 
 
-def _target_candidate(ck: Checkpoint, opts: ExportOptions, part: Path, max_len: int, calib, held, ref,
+def _target_candidate(ck: Checkpoint, opts: ExportOptions, part: Path, max_len: int, calib, checked, ref,
                       steps: _Steps) -> _Target:
     """Build one target graph at `opts.precision` into part/candidate-<precision>: smoothing (w8a8), the KV
     cache's scales (int8), the pad query row only where this host needs it (`--pad-row auto`), then its parity
-    against `ref` and its call latency at CHOICE_CONTEXTS."""
+    on the `checked` prompts against their reference `ref` and its call latency at CHOICE_CONTEXTS."""
     c = ck.config
     smoothing = None
     if _smoothing(opts):
@@ -744,7 +748,7 @@ def _target_candidate(ck: Checkpoint, opts: ExportOptions, part: Path, max_len: 
     runner = GraphRunner(str(path), c.layers, c.kv_heads, c.head_dim, opts.threads)
     report = {}
     if ref:
-        report = parity(ref, [runner.logits(ids) for ids in held[:3]])
+        report = parity(ref, [runner.logits(ids) for ids in checked])
         report["prompts"] = len(ref)
     latency = {}
     for ctx in CHOICE_CONTEXTS:

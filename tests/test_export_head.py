@@ -121,3 +121,26 @@ def test_footprint_predicts_the_two_stage_head_to_the_byte(models):
                              embedding_bits=opts.embedding_bits(c.hidden))
     assert w.head.total == head
     assert w.head.total < predict_weight_bytes(arch, precision="int8", max_len=MAX_LEN).head.total / 1.5
+
+
+def test_parity_reads_the_reference_best_tokens():
+    """The parity report keeps each position's best reference tokens (ties: lower id first, as argmax) and
+    measures max |Δlogit| on them only; top-1 agreement is the same from the summary as from the whole logits."""
+    from export.evaluate import PARITY_TOP, parity, reference_top
+
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((5, 300)).astype(np.float32)
+    ref[0, [7, 3]] = 9.0  # a tie at the top: argmax says 3
+    top = reference_top(ref)
+    assert top.ids.shape == (5, PARITY_TOP) and top.ids[0, 0] == 3 and top.ids[0, 1] == 7
+    assert (top.ids[:, 0] == ref.argmax(-1)).all() and (np.diff(top.logits, axis=1) <= 0).all()
+    got = ref + rng.normal(0, 1e-3, ref.shape).astype(np.float32)
+    got[0] = ref[0]  # the tie kept: argmax still says 3
+    worst = np.argsort(ref[1])[0]  # the reference's least likely token: outside every best-k
+    got[1, worst] = ref[1].max() - 0.1  # far off (~6), but in the tail: not counted, top-1 unchanged
+    a, b = top.ids[2, :2]
+    got[2, b] = ref[2, a] + 0.5  # the runner-up overtakes: one top-1 wrong, off by the gap + 0.5
+    p = parity([top], [got])
+    assert p == parity([ref], [got])
+    assert p["positions"] == 5 and p["top1_agreement"] == 0.8
+    assert p["max_abs_diff"] == pytest.approx(float(ref[2, a] - ref[2, b] + 0.5), abs=1e-5)
