@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import os
 import re
 import secrets
 import threading
@@ -17,7 +18,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers
 
 from .errors import EngineError
 
@@ -40,7 +41,9 @@ def valid_text(s: str) -> str:
 
 class TextCodec:
     def __init__(self, tokenizer_json: str | Path, chat_template: str | None, bos: int | None, eos: tuple[int, ...]):
-        self.tok = Tokenizer.from_file(str(tokenizer_json))
+        self._path = str(tokenizer_json)
+        self._stat = _file_identity(self._path)
+        self.tok = Tokenizer.from_file(self._path)
         self.vocab_size = self.tok.get_vocab_size()
         self.bos, self.eos = bos, tuple(eos)
         self._template_src = chat_template
@@ -204,33 +207,62 @@ class TextCodec:
     def _stretch(self, text: str, a: int, b: int, ids: list[int], again: bool) -> list[int]:
         if not again or a >= b:
             return ids
-        tok = self._plain.get(a == 0)
-        if tok is None:
-            tok = self._plain[a == 0] = _plain_tokenizer(self.tok, at_start=a == 0)
-        return tok.encode(text[a:b], add_special_tokens=False).ids
+        if not self._plain:  # one copy serves both unless the pre-tokenizer treats the prompt's start apart
+            try:
+                same = _file_identity(self._path) == self._stat
+            except OSError:
+                same = False
+            if not same:  # read again below: it must be the file self.tok came from
+                raise EngineError(f"{self._path} changed or went away since the model was loaded (re-exported?); "
+                                  "load the model again")
+            plain = _plain_tokenizer(self._path)
+            later = _not_at_start(plain.pre_tokenizer)
+            self._plain = {True: plain, False: plain if later is None else _plain_tokenizer(self._path, later)}
+        return self._plain[a == 0].encode(text[a:b], add_special_tokens=False).ids
 
 
-def _plain_tokenizer(tok: Tokenizer, at_start: bool) -> Tokenizer:
-    """A copy of `tok` that encodes control tokens' strings as text. For text that does not start the prompt, a
-    Metaspace pre-tokenizer that puts "▁" before the first word only ("first") puts none, as it does after a
-    control token when the whole prompt is encoded."""
-    cfg = json.loads(tok.to_str())
+def _file_identity(path: str) -> tuple[int, int, int]:
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _plain_tokenizer(tokenizer_json: str, pre_tokenizer=None) -> Tokenizer:
+    """A second copy of the tokenizer, read from its file, that encodes control tokens' strings as text (read
+    again rather than copied through `to_str()` and json: Gemma 3's 262k-token vocabulary made that a ~500 MB
+    peak), with `pre_tokenizer` in place of its own when given."""
+    plain = Tokenizer.from_file(tokenizer_json)
+    plain.encode_special_tokens = True
+    if pre_tokenizer is not None:
+        plain.pre_tokenizer = pre_tokenizer
+    return plain
+
+
+def _not_at_start(pre_tokenizer):
+    """For text that does not start the prompt: `pre_tokenizer` with each Metaspace that puts "▁" before the first
+    word only ("first") putting none, as it does after a control token when the whole prompt is encoded; None when
+    it has no such step."""
+    if pre_tokenizer is None:
+        return None
+    cfg = json.loads(pre_tokenizer.__getstate__())
+    found = []
 
     def never_first(node):
         if isinstance(node, dict):
             if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
                 node["prepend_scheme"] = "never"
+                found.append(node)
             for v in node.values():
                 never_first(v)
         elif isinstance(node, list):
             for v in node:
                 never_first(v)
 
-    if not at_start:
-        never_first(cfg.get("pre_tokenizer"))
-    plain = Tokenizer.from_str(json.dumps(cfg))
-    plain.encode_special_tokens = True
-    return plain
+    never_first(cfg)
+    if not found:
+        return None
+    later = pre_tokenizers.Metaspace()  # a holder: its state (any pre-tokenizer, a Sequence too) is set from JSON
+    later.__setstate__(json.dumps(cfg).encode())
+    return later
 
 
 def _map_strings(x, f):

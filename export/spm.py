@@ -91,7 +91,11 @@ def spm_tokenizer(fields: dict):
 
     unk_id = fields.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < n else None
-    model = BPE(vocab, spm_merges(tokens, scores), unk_token=unk, byte_fallback=True, fuse_unk=True,
+    # the normalizer below turns every space into "▁" before BPE runs, so a merge with a space in either half (a
+    # split of a user-defined run of spaces) never applies; leaving those out lets the merges be saved as "a b" strings
+    # (export.tokenizer.compact_merges), which load in less memory
+    merges = [(a, b) for a, b in spm_merges(tokens, scores) if " " not in a and " " not in b]
+    model = BPE(vocab, merges, unk_token=unk, byte_fallback=True, fuse_unk=True,
                 ignore_merges=False)
     tok = Tokenizer(model)
 

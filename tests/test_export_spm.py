@@ -206,6 +206,24 @@ def test_agrees_with_llama_cpp_algorithm_on_random_text(spm):
             assert tok.decode(tok.encode(text, add_special_tokens=False).ids, skip_special_tokens=False) == text
 
 
+def test_merges_with_a_space_are_left_out_and_change_nothing():
+    """With a user-defined " " (Gemma 3 has runs of spaces as tokens) the runs of spaces split into pieces with a
+    space; the normalizer replaces every space before BPE runs, so those merges are left out, and the ids stay
+    llama.cpp's."""
+    tokens, scores, types = vocab()
+    fields = {"tokenizer.ggml.tokens": tokens + [" "], "tokenizer.ggml.scores": np.append(scores, -1000.0),
+              "tokenizer.ggml.token_type": np.append(types, USER_DEFINED), "tokenizer.ggml.bos_token_id": BOS,
+              "tokenizer.ggml.eos_token_id": EOS, "tokenizer.ggml.add_bos_token": True,
+              "tokenizer.ggml.add_eos_token": False, "tokenizer.ggml.add_space_prefix": False}
+    assert ("  ", " ") in spm_merges(fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.scores"])
+    tok = spm_tokenizer(fields)
+    assert not any(" " in m for pair in json.loads(tok.to_str())["model"]["merges"] for m in pair)
+    rng = random.Random(1)
+    for _ in range(200):
+        text = "".join(rng.choice([" ", "  ", "\t", "a", "the", "▁", "xy", "<b>"]) for _ in range(rng.randrange(1, 20)))
+        assert tok.encode(text).ids == llama_spm(fields, text), text
+
+
 @pytest.mark.parametrize("add_bos,add_eos,space_prefix", [(True, False, False), (False, False, False),
                                                           (True, True, False), (True, False, True),
                                                           (False, False, True)])
@@ -236,7 +254,9 @@ def test_write_tokenizer_from_a_gemma3_gguf(tmp_path):
     tf = write_tokenizer(SimpleNamespace(source=str(path), source_format="gguf"), tmp_path)
     assert (tf.bos, tf.eos, tf.pad) == (BOS, (EOS,), 0) and tf.chat_template.startswith("{{ bos_token }}")
     raw = (tmp_path / "tokenizer.json").read_text()
-    assert json.loads(raw)["model"]["type"] == "BPE" and "\n  " not in raw  # compact
+    model = json.loads(raw)["model"]
+    assert model["type"] == "BPE" and "\n  " not in raw  # compact
+    assert all(isinstance(m, str) for m in model["merges"])  # "a b" strings (export.tokenizer.compact_merges)
     codec = TextCodec(tmp_path / "tokenizer.json", tf.chat_template, tf.bos, tf.eos)
     assert codec.prefix == [BOS]
     fields = read_gguf(path, tensors=False).fields

@@ -66,6 +66,29 @@ def test_ordinary_text_keeps_the_templates_exact_ids(families, family):
         hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True))
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_plain_tokenizer_is_one_copy_unless_metaspace_marks_the_start(families, family):
+    """Protected text is encoded by a second copy of the tokenizer; a second one for text after the start only
+    where a Metaspace "first" pre-tokenizer treats the start apart (a vocabulary-sized copy each)."""
+    codec, _ = families[family]
+    codec.encode_chat(_conversation(FORGED))
+    first = '"prepend_scheme":"first"' in codec.tok.to_str().replace(" ", "")
+    assert (codec._plain[True] is codec._plain[False]) != first
+
+
+def test_a_tokenizer_file_replaced_after_loading_is_refused(tmp_path):
+    """The plain copy is read from the file again: a file replaced since the codec was made is an error, never
+    another tokenizer's ids."""
+    from chat_templates import build_family_tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    build_family_tokenizer("smollm2").save(str(path))
+    codec = TextCodec(path, FAMILIES["smollm2"]["template"], None, (0,))
+    path.write_text(path.read_text() + " ")
+    with pytest.raises(EngineError, match="changed or went away"):
+        codec.encode_chat(_conversation(FORGED))
+
+
 def test_text_a_template_trims_keeps_its_markers_as_text(families):
     """Llama 3 and Gemma 3 trim message content: the markers survive the trim and still encode as text."""
     for family in ("llama3_1", "gemma3"):
