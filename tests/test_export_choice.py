@@ -15,9 +15,9 @@ from export import pipeline
 from export.pipeline import FIDELITY_FLOOR, ExportOptions, _Target, choose_target
 
 
-def target(precision, top1, curve_128, curve_1k=None):
+def target(precision, top1, curve_128, curve_1k=None, positions=10**6):
     return _Target(opts=ExportOptions(precision=precision), graph_opts=None, dir=Path("."), ck=None, kv_scales=None,
-                   smoothing=None, parity={"top1_agreement": top1},
+                   smoothing=None, parity={"top1_agreement": top1, "positions": positions},
                    latency_ms={128: curve_128, 1024: curve_1k or curve_128})
 
 
@@ -35,6 +35,9 @@ def test_expected_tokens_per_s_prices_plain_and_chains():
     ([("int4", 0.95, [9.0]), ("w8a8", 0.90, [5.0])], "int4"),  # the faster one is below the floor
     ([("int4", 0.91, [9.0]), ("w8a8", 0.92, [12.0])], "w8a8"),  # none faithful: the most faithful
     ([("w8a8", 0.50, [12.0])], "w8a8"),  # one candidate: itself
+    # at the floor on a small sample only: 0.937 over 653 positions is 0.937 ± 0.0095
+    ([("int8", 0.96, [12.0], None, 653), ("w8a8", 0.937, [8.0], None, 653)], "int8"),
+    ([("int8", 0.96, [12.0], None, 653), ("w8a8", 0.937, [8.0], None, 100_000)], "w8a8"),
 ])
 def test_the_fastest_faithful_candidate_is_chosen(cands, want):
     assert FIDELITY_FLOOR == 0.93
@@ -78,14 +81,16 @@ def test_auto_export_records_its_choice_and_evidence(auto_export):
     ch = m.choice
     assert ch["host"] == pipeline.host_signature()
     first = ch["candidates"][: len(pipeline.AUTO_PRECISIONS)]
-    fallback = [pipeline.FALLBACK_PRECISION] if all(c["top1_agreement"] < FIDELITY_FLOOR for c in first) else []
+    for c in ch["candidates"]:
+        assert c["faithful"] == pipeline.reaches_floor(c["top1_agreement"], c["positions"]) and c["positions"] > 0
+    fallback = [pipeline.FALLBACK_PRECISION] if not any(c["faithful"] for c in first) else []
     assert [c["precision"] for c in ch["candidates"]] == list(pipeline.AUTO_PRECISIONS) + fallback
     assert ch["precision"] == m.target.precision
     for c in ch["candidates"]:
         assert 0 <= c["top1_agreement"] <= 1 and c["expected_tokens_per_s"] > 0
         assert [ctx for ctx, _ in c["latency_ms_by_s_at"]] == [128, MAX_LEN - pipeline.VERIFY_SIZES]
     by = {c["precision"]: c for c in ch["candidates"]}
-    faithful = [c for c in ch["candidates"] if c["top1_agreement"] >= FIDELITY_FLOOR]
+    faithful = [c for c in ch["candidates"] if c["faithful"]]
     pool = faithful or ch["candidates"]
     key = (lambda c: c["expected_tokens_per_s"]) if faithful else (lambda c: c["top1_agreement"])
     assert by[ch["precision"]] is max(pool, key=key)
