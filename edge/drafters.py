@@ -45,7 +45,8 @@ class Draft:
 
     @classmethod
     def empty(cls) -> "Draft":
-        return cls.chain(())
+        """No draft: one shared instance with read-only arrays (plain decoding asks for it every step)."""
+        return _EMPTY
 
     @classmethod
     def chain(cls, tokens, q=None, source: str = "", labels=None) -> "Draft":
@@ -66,6 +67,10 @@ class Draft:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+_EMPTY = Draft.chain(())
+_EMPTY.tokens.flags.writeable = False
 
 
 @runtime_checkable
