@@ -180,6 +180,8 @@ class DraftLength:
         """This step's draft from `drafter` of `kind`, at most `room` tokens (what the answer and the cache still
         hold): a tree fills its `k` nodes; a chain takes the request's draft_len `k` when `fixed`, else the adaptive
         length up to `k` (the memory plan's cap or the drafter's default)."""
+        if kind == "none":  # plain decoding
+            return Draft.empty()
         if self.is_free(kind, fixed, tree):
             return self.draft_free(drafter, kind, min(k, room))
         k_step = k if fixed or tree else self.choose_k(kind, k)

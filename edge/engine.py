@@ -229,14 +229,14 @@ def collect(chunks: Iterator[Chunk], engine: "Engine", into: GenerationResult | 
     parts = [r.text]
     try:
         for ch in chunks:
-            if not parts[1:]:
+            if len(parts) == 1:
                 r.stats = engine.last_stats
             parts.append(ch.text)
             r.token_ids += ch.token_ids
             r.finish_reason = ch.finish_reason or r.finish_reason
     finally:
         r.text = "".join(parts)
-        if not parts[1:] and engine.last_stats is not None:  # no chunk came: the latest request's
+        if len(parts) == 1 and engine.last_stats is not None:  # no chunk came: the latest request's
             r.stats = engine.last_stats
     return r
 
