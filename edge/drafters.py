@@ -27,6 +27,7 @@ from memory.footprint import (DRAFTERS, PREFILL_CHUNK, RECYCLING_PAIR_SLOTS, rec
 
 _CHAIN_PARENTS = np.arange(256, dtype=np.int64)
 _CHAIN_PARENTS.flags.writeable = False  # shared by every chain's `parents` (read-only views)
+_CHAIN_VIEWS = [_CHAIN_PARENTS[:n] for n in range(len(_CHAIN_PARENTS) + 1)]  # made once: a draft is built every step
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Draft:
     def chain(cls, tokens, q=None, source: str = "", labels=None) -> "Draft":
         t = np.asarray(tokens, np.int64)
         n = len(t)
-        parents = _CHAIN_PARENTS[:n] if n <= len(_CHAIN_PARENTS) else np.arange(n, dtype=np.int64)
+        parents = _CHAIN_VIEWS[n] if n < len(_CHAIN_VIEWS) else np.arange(n, dtype=np.int64)
         return cls(t, parents, q, source, None if labels is None else tuple(labels), known_chain=True)
 
     def head(self, n: int) -> "Draft":
