@@ -14,6 +14,7 @@ vocabulary), or None for deterministic drafters (lookup), which verification the
 """
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -26,6 +27,7 @@ from memory.footprint import (DRAFTERS, PREFILL_CHUNK, RECYCLING_PAIR_SLOTS, rec
 
 _CHAIN_PARENTS = np.arange(256, dtype=np.int64)
 _CHAIN_PARENTS.flags.writeable = False  # shared by every chain's `parents` (read-only views)
+_CHAIN_VIEWS = [_CHAIN_PARENTS[:n] for n in range(len(_CHAIN_PARENTS) + 1)]  # made once: a draft is built every step
 
 
 @dataclass
@@ -45,13 +47,14 @@ class Draft:
 
     @classmethod
     def empty(cls) -> "Draft":
-        return cls.chain(())
+        """No draft: one shared instance with read-only arrays (plain decoding asks for it every step)."""
+        return _EMPTY
 
     @classmethod
     def chain(cls, tokens, q=None, source: str = "", labels=None) -> "Draft":
         t = np.asarray(tokens, np.int64)
         n = len(t)
-        parents = _CHAIN_PARENTS[:n] if n <= len(_CHAIN_PARENTS) else np.arange(n, dtype=np.int64)
+        parents = _CHAIN_VIEWS[n] if n < len(_CHAIN_VIEWS) else np.arange(n, dtype=np.int64)
         return cls(t, parents, q, source, None if labels is None else tuple(labels), known_chain=True)
 
     def head(self, n: int) -> "Draft":
@@ -66,6 +69,10 @@ class Draft:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+_EMPTY = Draft.chain(())
+_EMPTY.tokens.flags.writeable = False
 
 
 @runtime_checkable
@@ -313,6 +320,9 @@ def tree_template(nodes: int, rank_prior) -> list[tuple[int, int]]:
     return out
 
 
+_TYPECODES = {("u", 2): "H", ("u", 4): "I", ("u", 8): "Q", ("i", 4): "i", ("b", 1): "?"}  # numpy → array/struct
+
+
 class RecyclingDrafter:
     """Token Recycling (Luo et al., 2024): every verify call's top-k candidates — mostly "trash" that was never
     emitted — are kept as each token's likely successors in an adjacency matrix [V, k]; a draft tree is read out of
@@ -352,6 +362,24 @@ class RecyclingDrafter:
     def nbytes(self) -> int:
         return self.adj.nbytes + self.seen.nbytes + self.pair_key.nbytes + self.pair_next.nbytes
 
+    def _tables(self) -> tuple:
+        """Flat memoryviews of adj, seen, pair_key and pair_next. A step reads and writes a few entries of each
+        right after a target call, when every numpy access (a fancy-indexed row write, a scalar read) costs
+        microseconds; a memoryview's own indexing gives and takes Python ints. Rebuilt when an array has been
+        replaced; never copied with the drafter (`__getstate__`)."""
+        m = self.__dict__.get("_views")
+        if m is None or m[0] is not self.adj or m[1] is not self.seen or m[2] is not self.pair_key \
+                or m[3] is not self.pair_next:
+            arrays = (self.adj, self.seen, self.pair_key, self.pair_next)
+            m = self._views = arrays + tuple(memoryview(a).cast("B").cast(_TYPECODES[a.dtype.kind, a.itemsize])
+                                             for a in arrays)
+        return m[4:]
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_views", None)  # memoryviews cannot be copied; the copy makes its own on first use
+        return state
+
     def _slot(self, key: int) -> int:
         """Fibonacci hashing of a pair key onto PAIR_SLOTS: the top bits of key · 2^64/φ (mod 2^64). Plain Python:
         the table is read and written a few keys at a time, right after ONNX Runtime calls that leave every cache
@@ -360,9 +388,13 @@ class RecyclingDrafter:
 
     def pair_successor(self, prev: int, tok: int) -> int | None:
         """The target's top candidate after (prev, tok) the last time that pair was verified, if still cached."""
+        return self._pair_successor(prev, tok, self._tables())
+
+    def _pair_successor(self, prev: int, tok: int, tables: tuple) -> int | None:
+        _, _, keys, nexts = tables
         key = prev * self.vocab + tok
         slot = self._slot(key)
-        return int(self.pair_next[slot]) if int(self.pair_key[slot]) == key else None
+        return nexts[slot] if keys[slot] == key else None
 
     def rank_prior(self) -> np.ndarray:
         return self.prior_counts / (self.prior_counts.sum() + self.misses)
@@ -383,34 +415,37 @@ class RecyclingDrafter:
         """tokens [S] of a verify call (tokens[0] = the root), top_ids [S, >=k] the target's candidates after each;
         parents [S] (parents[0] = -1) when the call was a tree, None for a chain; `before`: the committed token
         before the root (default: the one this drafter tracked, which is only current while it is drafting)."""
-        # one numpy call for the rows, plain scalar writes for the rest: this runs right after a target call, when
-        # every numpy call costs tens of µs (a fancy-indexed write more than a handful of scalar ones)
+        # one numpy call for the rows, the rest through memoryviews (`_tables`): this runs right after a target call,
+        # when every numpy call costs tens of µs (a fancy-indexed row write ~70 µs)
         t = [int(x) for x in tokens]  # Python ints: the pair keys below are hashed with 64-bit wraparound
-        top = np.asarray(top_ids)
-        self.adj[t] = top if top.shape[1] == self.k else top[:, : self.k]
-        seen = self.seen
-        for x in t:
+        rows = np.asarray(top_ids).tolist()
+        adj, seen, keys, nexts = self._tables()
+        k, code = self.k, adj.format
+        for x, row in zip(t, rows):  # a token seen twice keeps its last row
+            adj[x * k : x * k + k] = array(code, row if len(row) == k else row[:k])
             seen[x] = True
         before = self.prev if before is None else int(before)
         if before is None:
             return
         prevs = [before] + (t[:-1] if parents is None else [t[q] for q in list(parents)[1:]])
-        keys, nexts, v = self.pair_key, self.pair_next, self.vocab
-        for prev, tok, nxt in zip(prevs, t, top[:, 0].tolist()):  # a later pair in the same slot wins
+        v = self.vocab
+        for prev, tok, row in zip(prevs, t, rows):  # a later pair in the same slot wins
             key = prev * v + tok
             slot = self._slot(key)
             keys[slot] = key
-            nexts[slot] = nxt
+            nexts[slot] = row[0]
 
     def _chain(self, budget: int) -> Draft:
         toks, labels = [], []
         prev, tok = self.prev, self.root
+        tables = self._tables()
+        adj, seen, k = tables[0], tables[1], self.k
         while len(toks) < budget:
-            nxt = self.pair_successor(prev, tok) if prev is not None else None
+            nxt = self._pair_successor(prev, tok, tables) if prev is not None else None
             if nxt is not None:
                 labels.append("recycling:b")
-            elif self.seen[tok]:
-                nxt = int(self.adj[tok, 0])
+            elif seen[tok]:
+                nxt = adj[tok * k]
                 labels.append("recycling:u")
             else:
                 break
@@ -419,7 +454,7 @@ class RecyclingDrafter:
         return Draft.chain(toks, source="recycling", labels=labels)
 
     def draft(self, budget: int) -> Draft:
-        if budget <= 0 or self.root is None or not self.seen[self.root]:
+        if budget <= 0 or self.root is None or not self._tables()[1][self.root]:
             return Draft.empty()
         if self.chains_only:
             return self._chain(budget)

@@ -50,6 +50,18 @@ def token_labels(d: Draft, kind: str, others: Sequence[Draft] = ()) -> tuple[str
     return tuple(f"{b}@{'1' if j == 0 else '2+'}{agreement(j)}" for j, b in enumerate(base))
 
 
+class _PerStep(dict):
+    """f(s), each s computed once: a hit is the dict's own lookup, without a Python frame."""
+
+    def __init__(self, f: Callable[[int], float]):
+        super().__init__()
+        self.f = f
+
+    def __missing__(self, s: int) -> float:
+        v = self[s] = self.f(s)
+        return v
+
+
 class DraftLength:
     """The adaptive draft-length policy of one engine and what it has learned: acceptance per drafter and per kind
     of drafted token, call time by width per context bucket, the model drafter's cost per token.
@@ -152,13 +164,7 @@ class DraftLength:
             return Draft.empty()
         cands = [c for c in drafter.chains(budget) if len(c)]
         best, best_rate = None, 0.0
-        memo: dict[int, float] = {}  # call widths priced once per step, whatever the number of candidates
-
-        def verify_ms(s: int) -> float:
-            if s not in memo:
-                memo[s] = self.verify_ms(s)
-            return memo[s]
-
+        verify_ms = _PerStep(self.verify_ms).__getitem__  # call widths priced once per step, whatever the candidates
         labelled, chosen = [], None
         for i, c in enumerate(cands):
             labels = token_labels(c, kind, cands[:i] + cands[i + 1 :])
@@ -180,6 +186,8 @@ class DraftLength:
         """This step's draft from `drafter` of `kind`, at most `room` tokens (what the answer and the cache still
         hold): a tree fills its `k` nodes; a chain takes the request's draft_len `k` when `fixed`, else the adaptive
         length up to `k` (the memory plan's cap or the drafter's default)."""
+        if kind == "none":  # plain decoding
+            return Draft.empty()
         if self.is_free(kind, fixed, tree):
             return self.draft_free(drafter, kind, min(k, room))
         k_step = k if fixed or tree else self.choose_k(kind, k)
@@ -209,8 +217,9 @@ class DraftLength:
         retrieved spans lost to recycling chains priced on what they had earned while lookup's labels never
         moved)."""
         for c in self._unverified:
-            n = min(len(c), len(truth))
-            j = next((i for i in range(n) if int(c.tokens[i]) != truth[i]), n)
+            toks = c.tokens.tolist()
+            n = min(len(toks), len(truth))
+            j = next((i for i in range(n) if toks[i] != truth[i]), n)
             self.token_acceptance.update(c.labels[: j + 1] if j < n else c.labels[:n], j)
         self._unverified = []
 

@@ -229,14 +229,14 @@ def collect(chunks: Iterator[Chunk], engine: "Engine", into: GenerationResult | 
     parts = [r.text]
     try:
         for ch in chunks:
-            if not parts[1:]:
+            if len(parts) == 1:
                 r.stats = engine.last_stats
             parts.append(ch.text)
             r.token_ids += ch.token_ids
             r.finish_reason = ch.finish_reason or r.finish_reason
     finally:
         r.text = "".join(parts)
-        if not parts[1:] and engine.last_stats is not None:  # no chunk came: the latest request's
+        if len(parts) == 1 and engine.last_stats is not None:  # no chunk came: the latest request's
             r.stats = engine.last_stats
     return r
 
@@ -540,16 +540,17 @@ class Engine:
             P[~exact] = process_logits(out.logits[~exact], p.temperature, p.top_k, p.top_p)
         return P
 
-    def _verify(self, root: int, d: Draft, p: GenerationParams, rng, before: int | None = None, learn: bool = True
-                ) -> tuple[list[int], list[int] | None, int]:
+    def _verify(self, root: int, d: Draft, p: GenerationParams, rng, before: int | None = None, learn: bool = True,
+                head: tuple[int | None, bool] | None = None) -> tuple[list[int], list[int] | None, int]:
         """One target call over [root] + draft → (committed tokens, tree path or None, next token); `before` is the
         committed token before the root (for Token Recycling's two-token successors); `learn`: feed the call's
-        candidates to Token Recycling (not in plain decoding, which keeps its steps free of drafting work)."""
+        candidates to Token Recycling (not in plain decoding, which keeps its steps free of drafting work); `head`:
+        `_head_request(p)`, which a request computes once."""
         # the call's ids as a Python list: this runs right after the last call, when each numpy op costs tens of µs
-        tokens = [int(root)] + d.tokens.tolist()
+        tokens = ([int(root)] + d.tokens.tolist()) if len(d) else [int(root)]
         L = self.target.cache.length
         greedy = p.temperature == 0
-        head_k, need_logits = self._head_request(p)
+        head_k, need_logits = self._head_request(p) if head is None else head
         sample = None if head_k is None else (p.temperature, head_k)
         if d.is_chain:
             # [K+1, V] logits, or None when the on-graph head returns all this step needs (greedy, or a sampling cut
@@ -564,10 +565,10 @@ class Engine:
             self.recycling.observe(tokens, out.top_ids, None if layout is None else layout.parents, before)
         argmax = None
         if greedy:
-            if out.logits is None:
-                argmax = out.top_ids[:, 0]
+            if out.logits is None:  # the session's lists where it has them: no numpy right after the call
+                argmax = out.top_ids[:, 0].tolist() if out.best is None else out.best
                 if out.top_logits is not None:
-                    check_chosen(out.top_logits[:, 0])
+                    check_chosen(out.top_logits[:, 0] if out.best_logits is None else out.best_logits)
             else:
                 argmax = out.logits.argmax(-1)
                 check_chosen(out.logits[np.arange(len(argmax)), argmax])
@@ -624,6 +625,7 @@ class Engine:
             drafter.begin(ids + [first])  # a model drafter prefills its own cache here: drafter time
             st.draft_s += time.perf_counter() - t1
             new, drafted, root = [first], 0, first
+            head, learn = self._head_request(p), kind != "none"
             while True:
                 # ---- emit what the last step produced (EOS, limits, stop strings)
                 chunk = answer.push(new, drafted, full=self.target.cache.room() < 2)
@@ -646,7 +648,7 @@ class Engine:
                     self.policy.timed_draft(len(d), dt)
                 before = answer.ids[-2] if len(answer.ids) >= 2 else ids[-1]
                 ts = time.perf_counter()
-                committed, path, nxt = self._verify(root, d, p, rng, before, learn=kind != "none")
+                committed, path, nxt = self._verify(root, d, p, rng, before, learn=learn, head=head)
                 dt = time.perf_counter() - ts
                 st.target_s += dt
                 self.policy.timed_call(max(len(d) + 1, self.target.min_call), dt)

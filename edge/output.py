@@ -48,8 +48,8 @@ class AnswerText:
                 if cut >= 0:
                     new, self.text, finish = new[: j + 1], self.text[:cut], "stop"
                     break
-        else:
-            self.text += self.decoder.push([t for t in new if t not in self.eos])
+        else:  # (an EOS in `new` has set finish)
+            self.text += self.decoder.push(new if finish is None else [t for t in new if t not in self.eos])
         if len(new) < verified:  # drafts accepted past an EOS or a stop: verified, never emitted
             drafted = min(drafted, len(new))
         self.ids += new

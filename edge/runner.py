@@ -23,6 +23,7 @@ NEG = np.finfo(np.float32).min
 F32_TINY, F32_MAX = float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max)
 HEAD_TOPK_MAX = 256  # sampling with top_k up to this reads the head's k probabilities alone (exact: the cut is inside)
 HEAD_TOPK_NUCLEUS = 64  # top-p without top-k: the head's k, enough for the nucleus of most rows (else the logits)
+FLOAT = 1  # onnx.TensorProto.FLOAT: the element type of a tensor bound by pointer
 
 
 def session_options(threads: int):
@@ -50,11 +51,14 @@ class Output(NamedTuple):
     """What one call computed, each a view valid until the session's next call. logits [R, V] (None when not asked
     for on a graph with the on-graph TopK); top_ids [R, k] (graphs with the TopK output); top_probs [R, k]:
     softmax(logits / T) at top_ids for a sampling call through the head, else None; top_logits [R, k]: the logits at
-    top_ids where the graph returns them (greedy checks they are finite)."""
+    top_ids where the graph returns them (greedy checks they are finite). best and best_logits: top_ids[:, 0] and
+    top_logits[:, 0] as Python lists, where the session reads them without numpy (a greedy step needs only these)."""
     logits: np.ndarray | None
     top_ids: np.ndarray | None = None
     top_probs: np.ndarray | None = None
     top_logits: np.ndarray | None = None
+    best: list[int] | None = None
+    best_logits: list[float] | None = None
 
     def head(self) -> "Output":
         """The first row of each array (a 1-token call run as the first row of a wider one)."""
@@ -106,8 +110,15 @@ class GraphSession:
         self._zeros = np.zeros(capacity + max_call, np.float32)  # bias row for a single query: sees everything
         self._tri = np.where(np.tril(np.ones((max_call, max_call), bool)), 0, NEG).astype(np.float32)
         self._logits = np.zeros(graph.vocab, np.float32)  # flat, grown on demand to the widest call seen
-        self._arange = np.arange(SMALL_CALL, dtype=np.int64)
         self._keep = np.zeros(1, np.int64)
+        # the values last written to the call's scalar inputs (logits_keep; the head's k, temperature, sampling):
+        # each is written only when it changes, as every numpy write right after a call costs ~10 µs (cold caches)
+        self._scalars: tuple = (0, None)
+        # a 1-token call's bias (a prefix of `_zeros`) is bound by pointer through the binding's own C++ object:
+        # ~35 µs less per decode step than binding a new numpy view (the public bind_input makes a device per call)
+        self._cpu_device = (ort.OrtDevice.make("cpu", 0)._get_c_device()
+                            if hasattr(ort.OrtDevice, "_get_c_device") else None)
+        self._zeros_ptr = self._zeros.ctypes.data
         outs = {o.name: o for o in self.sess.get_outputs()}
         # the on-graph head (kernels/postprocess.py) takes k and the temperature per call; graphs before it (export
         # version 4) have a fixed-k TopK and no probabilities
@@ -134,8 +145,12 @@ class GraphSession:
         # only on the CPU provider is a bound input read from its array at run time; other providers copy it to the
         # device when it is bound, so there every input is bound on every call
         self._reuse = all(p == "CPUExecutionProvider" for p in self.sess.get_providers())
-        self._small: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # width -> (input_ids, position_ids) buffers
-        self._views: dict[tuple, np.ndarray] = {}  # (output, rows, k) -> view of its buffer
+        self._small: dict[int, tuple] = {}  # width -> input_ids and position_ids buffers, and int64 memoryviews of them
+        self._views: dict[tuple, np.ndarray] = {}  # (output, rows, k) -> [1, rows, k] view of its buffer
+        self._rows: dict[tuple, np.ndarray] = {}  # (output, rows, k) -> that view's [rows, k], what a call returns
+        # (width, logits wanted) -> (rows, k, what `_outputs` bound) on that small call width's binding, kept until
+        # an output buffer grows: a call shaped as the binding's last one binds nothing but its attention bias
+        self._ready: dict[tuple, tuple] = {}
         self._bind_full = self._new_binding()
         self._bind_top = self._new_binding() if self.topk else self._bind_full
         self._by_width: dict[tuple[int, bool], object] = {}  # (width, logits wanted) -> its binding
@@ -183,15 +198,57 @@ class GraphSession:
             b.bind_cpu_input(name, arr)
         self._bound[key] = arr  # also keeps it alive while bound
 
-    def _view(self, name: str, buf: np.ndarray, r: int, k: int) -> np.ndarray:
-        """The [1, r, k] view of flat output buffer `buf`, one object per shape (so `_bind` can skip rebinding).
-        Views of a buffer that has since been replaced by a larger one are dropped, not kept alive."""
-        v = self._views.get((name, r, k))
-        if v is None or v.base is not buf:
-            for key in [key for key, x in self._views.items() if key[0] == name and x.base is not buf]:
-                del self._views[key]
-            v = self._views[(name, r, k)] = buf[: r * k].reshape(1, r, k)
-        return v
+    def _view(self, name: str, buf: np.ndarray, r: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The [1, r, k] view of flat output buffer `buf` and its [r, k] rows, one pair per shape (so `_bind` can
+        skip rebinding and a call makes no new array). A buffer replaced by a larger one drops its views first
+        (`_grown`)."""
+        key = (name, r, k)
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = buf[: r * k].reshape(1, r, k)
+            self._rows[key] = v[0]
+        return v, self._rows[key]
+
+    def _grown(self, name: str, size: int, dtype) -> np.ndarray:
+        """A new, larger flat buffer for output `name`; the views of the old one are dropped, not kept alive, and
+        every binding's outputs are bound again on its next call."""
+        for key in [key for key in self._views if key[0] == name]:
+            del self._views[key], self._rows[key]
+        self._ready.clear()
+        return np.zeros(size, dtype)
+
+    def _outputs(self, b, want: bool, r: int, k: int) -> tuple:
+        """Bind on binding `b` the outputs a call of `r` rows and `k` candidates writes, and the scalar inputs →
+        (logits [r, V] or None, top_ids [r, k], top_probs [r, k], top_logits [r, k], memoryviews of the top ids'
+        and top logits' flat buffers), each None where the graph has no such output."""
+        self._bind(b, "logits_keep", self._keep)
+        out = top_ids = probs = top_logits = ids_mem = logits_mem = None
+        if want:
+            if r * self.vocab > self._logits.size:
+                self._logits = self._grown("logits", r * self.vocab, np.float32)
+            view, out = self._view("logits", self._logits, r, self.vocab)
+            self._bind(b, "logits", view, output=True)
+        if self.topk:
+            if r * k > self._top.size:
+                self._top = self._grown("top_ids", r * k, np.int64)
+            view, top_ids = self._view("top_ids", self._top, r, k)
+            self._bind(b, "top_ids", view, output=True)
+            ids_mem = memoryview(self._top)
+            if self._top_logits is not None:
+                if r * k > self._top_logits.size:
+                    self._top_logits = self._grown("top_logits", r * k, np.float32)
+                view, top_logits = self._view("top_logits", self._top_logits, r, k)
+                self._bind(b, "top_logits", view, output=True)
+                logits_mem = memoryview(self._top_logits)
+            if self.head:
+                for name, arr in zip(HEAD_INPUTS, (self._head_k, self._temperature, self._sampling)):
+                    self._bind(b, name, arr)
+                # bound for every call's shape: a binding left from an earlier call would have the wrong one
+                if r * k > self._top_probs.size:
+                    self._top_probs = self._grown("top_probs", r * k, np.float32)
+                view, probs = self._view("top_probs", self._top_probs, r, k)
+                self._bind(b, "top_probs", view, output=True)
+        return out, top_ids, probs, top_logits, ids_mem, logits_mem
 
     def _probe_min_call(self) -> int:
         """Lossless speculation needs a token's logits not to depend on how many tokens share its call.
@@ -235,13 +292,24 @@ class GraphSession:
         L = self.cache.length
         if L + s > self.cache.slots:
             self.cache.reserve(L + s, self._rebind_kv)
+        want = logits or not self.topk
+        b = self._binding(s, want)
         if s <= SMALL_CALL:  # decode and verify widths: fixed buffers, filled in place
-            if s not in self._small:
-                self._small[s] = (np.zeros((1, s), np.int64), np.zeros((1, s), np.int64))
-            ids_buf, pos_buf = self._small[s]
-            ids_buf[0] = ids
+            bufs = self._small.get(s)
+            if bufs is None:
+                ids_buf, pos_buf = np.zeros((1, s), np.int64), np.zeros((1, s), np.int64)
+                bufs = self._small[s] = (ids_buf, pos_buf, memoryview(ids_buf).cast("B").cast("q"),
+                                         memoryview(pos_buf).cast("B").cast("q"))
+            ids_buf, pos_buf, ids_mem, pos_mem = bufs
+            # a few ids written through memoryviews: no numpy dispatch, which right after a call costs ~10-40 µs
+            if isinstance(ids, list):
+                for i, t in enumerate(ids):
+                    ids_mem[i] = t
+            else:
+                ids_buf[0] = ids
             if positions is None:
-                pos_buf[0] = self._arange[:s] + L
+                for i in range(s):
+                    pos_mem[i] = L + i
             else:
                 pos_buf[0] = np.asarray(positions, np.int64).reshape(-1)
             ids, positions = ids_buf, pos_buf
@@ -249,59 +317,46 @@ class GraphSession:
             ids = np.asarray(ids, np.int64).reshape(1, -1)
             positions = (np.arange(L, L + s, dtype=np.int64) if positions is None
                          else np.asarray(positions, np.int64)).reshape(1, -1)
-        if bias is None:
-            bias = self.causal_bias(s)
-        assert bias.shape == (1, 1, s, self.cache.length + s), (bias.shape, s, self.cache.length)
+        if bias is None and s == 1 and self._reuse and self._cpu_device is not None:
+            # one query sees the whole prefix: [1, 1, 1, L + 1] zeros, bound by pointer (its shape changes every call)
+            b._iobinding.bind_input("attention_bias", self._cpu_device, FLOAT, (1, 1, 1, L + 1), self._zeros_ptr)
+        else:
+            if bias is None:
+                bias = self.causal_bias(s)
+            assert bias.shape == (1, 1, s, L + s), (bias.shape, s, L)
+            b.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))  # its shape changes every call
         r = s if keep == 0 else min(keep, s)
-        self._keep[0] = keep
         sample = sample if self.head else None
-        want = logits or not self.topk
-        b = self._binding(s, want)
-        self._bind(b, "input_ids", ids)
-        self._bind(b, "position_ids", positions)
-        b.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))  # its shape changes every call
-        self._bind(b, "logits_keep", self._keep)
-        out = None
-        if want:
-            if r * self.vocab > self._logits.size:
-                self._logits = np.zeros(r * self.vocab, np.float32)
-            out = self._view("logits", self._logits, r, self.vocab)
-            self._bind(b, "logits", out, output=True)
-        top_ids = top_probs = top_logits = None
-        if self.topk:
-            k = self.topk if sample is None else min(max(int(sample[1]), self.topk), self.vocab)
-            if r * k > self._top.size:
-                self._top = np.zeros(r * k, np.int64)
-            top = self._view("top_ids", self._top, r, k)
-            self._bind(b, "top_ids", top, output=True)
-            top_ids = top[0]
-            if self._top_logits is not None:
-                if r * k > self._top_logits.size:
-                    self._top_logits = np.zeros(r * k, np.float32)
-                vals = self._view("top_logits", self._top_logits, r, k)
-                self._bind(b, "top_logits", vals, output=True)
-                top_logits = vals[0]
+        k = self.topk if sample is None else min(max(int(sample[1]), self.topk), self.vocab)
+        # float32 on the graph: a temperature that would round to 0 (NaN rows) or overflow takes the nearest
+        # representable one, whose softmax is the same limit process_logits computes
+        scalars = (keep, None if not self.head else
+                   (k, 1.0 if sample is None else min(max(sample[0], F32_TINY), F32_MAX), sample is not None))
+        if scalars != self._scalars:
+            self._keep[0] = keep
             if self.head:
-                self._head_k[0] = k
-                self._sampling[()] = sample is not None
-                # float32 on the graph: a temperature that would round to 0 (NaN rows) or overflow takes the nearest
-                # representable one, whose softmax is the same limit process_logits computes
-                self._temperature[0] = 1.0 if sample is None else min(max(sample[0], F32_TINY), F32_MAX)
-                for name, arr in zip(HEAD_INPUTS, (self._head_k, self._temperature, self._sampling)):
-                    self._bind(b, name, arr)
-                # bound for every call's shape: a binding left from an earlier call would have the wrong one
-                if r * k > self._top_probs.size:
-                    self._top_probs = np.zeros(r * k, np.float32)
-                probs = self._view("top_probs", self._top_probs, r, k)
-                self._bind(b, "top_probs", probs, output=True)
-                if sample is not None:
-                    top_probs = probs[0]
+                self._head_k[0], self._temperature[0], self._sampling[()] = scalars[1]
+            self._scalars = scalars
+        small = s <= SMALL_CALL and self._reuse
+        last = self._ready.get((s, want)) if small else None
+        if last is not None and last[0] == r and last[1] == k:
+            ready = last[2]
+        else:
+            self._bind(b, "input_ids", ids)
+            self._bind(b, "position_ids", positions)
+            ready = self._outputs(b, want, r, k)
+            if small:
+                self._ready[(s, want)] = (r, k, ready)
         t0 = time.perf_counter()
         try:
             self.sess.run_with_iobinding(b)
         finally:  # an interrupted call counts too
             self.run_s += time.perf_counter() - t0
-        return Output(out[0] if want else None, top_ids, top_probs, top_logits)
+        out, top_ids, probs, top_logits, ids_mem, logits_mem = ready
+        n = r * k
+        return Output(out, top_ids, None if sample is None else probs, top_logits,
+                      None if ids_mem is None else ids_mem[0:n:k].tolist(),
+                      None if logits_mem is None else logits_mem[0:n:k].tolist())
 
     def _probe_tree_exact(self, tol: float = 1e-3) -> bool:
         """Does a token verified inside a tree get the logits it gets on its own root-to-leaf path? With fp32

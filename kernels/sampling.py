@@ -58,8 +58,8 @@ def check_chosen(chosen) -> None:
     """Greedy picks' own logits [R] (the row maxima argmax or TopK chose): raise as sampling does when one is NaN
     or infinite. argmax and ONNX Runtime's TopK land on index 0 of an all-NaN or all -inf row, silently.
     Plain Python over a list: right after a model call each numpy call costs tens of µs (cold caches)."""
-    vals = chosen.tolist() if isinstance(chosen, np.ndarray) else list(chosen)
-    if not all(-math.inf < v < math.inf for v in vals):  # NaN fails the comparison
+    vals = chosen.tolist() if isinstance(chosen, np.ndarray) else chosen
+    if not all(map(math.isfinite, vals)):
         _check_logits(np.asarray(vals, np.float64).reshape(-1, 1))
 
 

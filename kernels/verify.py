@@ -56,16 +56,18 @@ def verify_greedy(draft: np.ndarray, target_argmax: np.ndarray) -> tuple[int, in
     a = _ids(target_argmax, "target_argmax")
     k = len(d)
     assert len(a) == k + 1, (k, len(a))
-    n_accepted = next((i for i in range(k) if d[i] != a[i]), k)
-    return n_accepted, a[n_accepted]
+    n = 0
+    while n < k and d[n] == a[n]:
+        n += 1
+    return n, int(a[n])
 
 
-def _ids(x, name: str) -> list[int]:
-    """A 1-D sequence of token ids as Python ints."""
+def _ids(x, name: str):
+    """A 1-D sequence of token ids that Python indexes cheaply: an array as a list, any other sequence as it is."""
     if isinstance(x, np.ndarray):
         assert x.ndim == 1, f"{name}: 1-D ids expected, got shape {x.shape}"
         return x.tolist()
-    return [int(t) for t in x]
+    return x
 
 
 def verify_sampling(

@@ -267,6 +267,28 @@ def test_recycling_pair_table_is_bounded_and_evicts_without_lying():
     assert big.pair_successor(262142, 262143) == 7
 
 
+def test_recycling_copies_and_replaced_tables_read_their_own_arrays():
+    """The tables are read and written through views of their arrays: a copy (a drafter state kept aside) has its
+    own, which later observations of the original leave alone, and an array replaced on the drafter is the one read
+    and written from then on."""
+    import copy
+
+    d = RecyclingDrafter(49152, k=2, chains_only=True)
+    d.observe([5, 6], np.array([[6, 9], [7, 9]]), before=4)
+    saved = copy.deepcopy(d)
+    d.observe([5, 6], np.array([[8, 9], [3, 9]]), before=4)
+    assert saved.pair_successor(4, 5) == 6 and saved.adj[5].tolist() == [6, 9] and d.pair_successor(4, 5) == 8
+    saved.observe([6], np.array([[1, 2]]), before=5)
+    assert saved.pair_successor(5, 6) == 1 and d.pair_successor(5, 6) == 3
+    d.begin([4, 5])
+    assert d.draft(2).tokens.tolist() == [8]  # (8 was never observed: nothing follows it)
+    d.adj, d.seen = np.zeros_like(d.adj), np.zeros_like(d.seen)
+    d.pair_key, d.pair_next = np.full_like(d.pair_key, np.iinfo(d.pair_key.dtype).max), np.zeros_like(d.pair_next)
+    assert d.pair_successor(4, 5) is None and len(d.draft(2)) == 0
+    d.observe([5], np.array([[2, 9]]), before=4)
+    assert d.adj[5].tolist() == [2, 9] and d.seen[5] and d.pair_successor(4, 5) == 2
+
+
 def test_recycling_pair_slot_is_fibonacci_hashing():
     """`_slot` is the top log2(PAIR_SLOTS) bits of key · 0x9E3779B97F4A7C15 mod 2^64 (reference: numpy's wrapping uint64
     product), for 32-bit keys and for the 64-bit keys of a 262,144-token vocabulary."""

@@ -85,6 +85,29 @@ def test_padded_single_row_calls_equal_unpadded_ones(tiny_dir, tree):
     assert out.top_ids.shape[0] == 1 and out.top_ids[0, 0] == plain[0].argmax()
 
 
+def test_a_call_width_binds_the_shape_of_each_call(tiny_dir):
+    """A small call width keeps its binding's outputs bound between calls; a call of another shape on the same width
+    (more candidates for sampling, fewer rows kept) binds its own, and one shaped as an earlier call finds its outputs
+    again: every call returns its own rows, whatever the width's calls before it asked for."""
+    from edge.manifest import load_manifest
+    from edge.runner import GraphSession
+
+    m = load_manifest(tiny_dir)
+    s = GraphSession(str(tiny_dir / m.target.file), m, m.target, 128)
+    s.prefill([5, 9, 11, 13, 17, 19])
+    ids = [23, 29, 31]
+    full = s.forward(ids).copy()  # [3, V]
+    assert s.head
+    for keep, sample in [(0, None), (0, (1.0, 64)), (0, None), (1, None), (0, (1.0, 64)), (1, (0.5, 16)), (0, None)]:
+        rows = full if keep == 0 else full[-keep:]
+        out = s.call(ids, keep=keep, logits=False, sample=sample)
+        k = s.topk if sample is None else max(sample[1], s.topk)
+        assert out.logits is None and out.top_ids.shape == (len(rows), k)
+        assert out.top_ids[:, 0].tolist() == rows.argmax(-1).tolist() == out.best
+        np.testing.assert_allclose(out.best_logits, rows.max(-1), rtol=1e-5)
+        assert (out.top_probs is None) == (sample is None)
+
+
 def test_sessions_stop_spinning_when_a_call_ends():
     """Target and drafter sessions take turns on the same cores: a pool still spinning after its call would take
     them from the other session's call."""
