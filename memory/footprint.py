@@ -38,7 +38,7 @@ QUANT_BITS = {"int4": 4, "int8": 8, "w8a8": 8}
 # int8-activation kernels computed a lone row another way than the same row in wider calls (Zen 5, ORT 1.32)
 COARSE_HEAD_BITS = 4
 COARSE_HEAD_BLOCK = 32
-HEAD_RESCORE = 64
+HEAD_RESCORE = 16
 # Element size of the float tensors (embedding, norms, rotary tables, scales, float matmuls): the exporter keeps
 # fp32 floats for quantized bodies and switches everything to fp16 only for an fp16 export (export/graph.py).
 FLOAT_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int4": 4, "w8a8": 4}
