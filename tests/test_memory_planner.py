@@ -17,7 +17,7 @@ from edge.manifest import Manifest
 from helpers import SMOLLM2, chain_acc, smollm2_manifest
 from memory import (MB, AcceptanceStats, BudgetError, LatencyCurve, Plan, PlanError, Speculation, candidates,
                     min_budget_plain, min_budget_speculative, plan, predict_peak, replan)
-from memory.footprint import DEFAULT_CALIBRATIONS
+from memory.footprint import DEFAULT_CALIBRATIONS, Calibration
 from memory.planner import (DEFAULT_T1_MS, DEFAULT_VERIFY_SHAPE, Latency, best_chain, best_prefix, export_verify_shape,
                             fullest, plain_call_rows)
 
@@ -489,7 +489,7 @@ def test_a_profiles_calibration_is_what_the_planner_uses():
     assert hi.drafter != "none" and hi.nodes >= 8 and lo.drafter == "none"
     heavy = plan(prof({"latency": flat, "acceptance": never, "memory": {"baseline_mb": 185.0}}), M, 1024,
                  drafters=ALL)
-    assert heavy.peak_mb - lo.peak_mb == pytest.approx(100.0)
+    assert heavy.peak_mb - lo.peak_mb == pytest.approx(185.0 - Calibration().baseline_mb)
     assert plan(prof({"acceptance": never}), M, 1024, drafters=ALL,
                 calibration={"latency": flat, "acceptance": sure}).nodes == hi.nodes
 

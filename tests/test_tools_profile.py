@@ -21,7 +21,7 @@ from edge.planning import CalibrationError, load_calibration, make_plan, profile
 from edge.tools.pngplot import plot_png
 from edge.tools.profile import fit_baseline, planner_vs_sweep, specmemo_pair, summarize_speed, validation_table
 from helpers import run_module
-from memory import AcceptanceStats, predict_peak
+from memory import AcceptanceStats, Calibration, predict_peak
 
 PROMPTS = [{"id": "a", "category": "qa", "turns": ["the quick brown fox jumps over the lazy dog"]},
            {"id": "b", "category": "code", "turns": ["def add(a, b):\n    return a + b\n"]}]
@@ -65,7 +65,7 @@ def test_edge_profile_end_to_end_writes_calibration_json_and_pngs(tiny_dir, prom
     assert [(p["context"], p["k"]) for p in pts] == [(24, 0), (24, 4), (96, 0), (96, 4)]
     for p in pts:  # one process per point: each measured its own peak next to the model's prediction
         assert 10 < p["peak_rss_mb"] < 2000 and p["predicted_mb"] > 0 and p["prompt_tokens"] >= p["context"] - 8
-    assert cal["memory"]["baseline_mb"] == fit_baseline(pts, 85.0)
+    assert cal["memory"]["baseline_mb"] == fit_baseline(pts, Calibration().baseline_mb)
     assert set(doc["speed"]["results"]) == {"none", "plan", "unmanaged", "chain:lookup:1", "chain:lookup:4"}
     assert doc["specmemo"]["planner_k"] >= 1 and "plain_peak_mb" in doc["specmemo"]
     for name in ("memory_vs_context.png", "predicted_vs_measured.png", "tokens_per_s_vs_k.png"):
@@ -284,7 +284,7 @@ def test_the_planner_loads_the_calibration_and_its_choice_follows_it(tiny_dir, t
     m, prof = good.manifest, profile_for(None, calibration=calibration(tmp_path, 0.95, "b.json", 185.0))
     base = make_plan(m, good.profile, 64, 1e5, capacity=256)
     more = make_plan(m, prof, 64, 1e5, capacity=256)
-    assert more.plain_peak_mb - base.plain_peak_mb == pytest.approx(185.0 - 85.0)
+    assert more.plain_peak_mb - base.plain_peak_mb == pytest.approx(185.0 - Calibration().baseline_mb)
 
 
 def test_plan_json_and_auto_loaded_calibration(tiny_dir, tmp_path, monkeypatch, capsys):
