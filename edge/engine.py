@@ -24,9 +24,8 @@ import numpy as np
 from kernels.sampling import CorruptOutput, check_chosen, make_sampler, probs_from_top, process_logits
 from kernels.tree import TreeLayout, verify_greedy_tree, verify_sampling_tree
 from kernels.verify import verify_greedy, verify_sampling
-from memory.footprint import PREFILL_CHUNK, drafter_graph, top1_agreement
-from memory.acceptance import AcceptanceStats
-from memory.planner import FREE_CHAIN_ACCEPTANCE, MAX_CHAIN, best_chain, fullest, plain_call_rows
+from memory.footprint import PREFILL_CHUNK, drafter_graph
+from memory.planner import MAX_CHAIN, fullest, plain_call_rows
 
 from .draftlen import DraftLength
 from .drafters import (DRAFTER_CHOICES, DRAFTER_KINDS, Draft, Drafter, HybridDrafter, LookupDrafter, ModelDrafter,
@@ -396,20 +395,10 @@ class Engine:
         return "hybrid" if self.target.topk else "lookup"
 
     def _model_earns_its_cost(self) -> bool:
-        """Lookup and recycling drafts cost no model calls; a model drafter must earn its own. It is chosen by
-        `auto` when its best chain (its measured agreement, its measured call cost) is expected to give more tokens
-        per millisecond than free chains accepted at FREE_CHAIN_ACCEPTANCE, both priced by the target's verify
-        curve. Measured (docs/design-decisions.md): SmolLM2's 2-layer early exit agrees on 0.46 and is never chosen;
-        Gemma 3 270M's full-depth drafter agrees on 0.997 but costs half a target call, and hybrid beat it on every
-        category of completion prompts."""
-        g = drafter_graph(self.manifest)
-        agreement = top1_agreement(g, 0.0)
-        if agreement < 0.6:
-            return False
-        cost = float(g.stats.get("latency_ms_s1") or 0.0)
-        _, model = best_chain(AcceptanceStats(agreement), self.policy.verify_ms, cost)
-        _, free = best_chain(AcceptanceStats(FREE_CHAIN_ACCEPTANCE), self.policy.verify_ms)
-        return model > free
+        """`edge.planning.model_earns_its_cost`, priced by this engine's own verify curve."""
+        from .planning import model_earns_its_cost
+
+        return model_earns_its_cost(self.manifest, self.policy.verify_ms)
 
     def _model_graph(self):
         """The drafter graph a model drafter runs: the memory plan's when it plans one (its budget is for that

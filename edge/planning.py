@@ -10,9 +10,11 @@ from types import SimpleNamespace
 from typing import Mapping
 
 from devices import ProfileError, ProviderUnavailable, check_available, detect_host, load_profile
-from memory.footprint import MB, Calibration
-from memory.planner import (CALIBRATION_SECTIONS, MAX_CHAIN, BudgetError, Latency, Plan, PlanError, candidates,
-                            fullest, min_budget_plain, min_budget_speculative, plain_call_rows, plan)
+from memory.acceptance import AcceptanceStats
+from memory.footprint import MB, Calibration, drafter_graph, top1_agreement
+from memory.planner import (CALIBRATION_SECTIONS, FREE_CHAIN_ACCEPTANCE, MAX_CHAIN, BudgetError, Latency, Plan,
+                            PlanError, best_chain, candidates, fullest, min_budget_plain, min_budget_speculative,
+                            plain_call_rows, plan)
 
 from .errors import CalibrationError, as_engine_error
 from .manifest import Manifest
@@ -161,12 +163,37 @@ def make_plan(manifest: Manifest, profile, context: int, budget_mb: float | None
 
 
 def _drafter_caps(manifest: Manifest, drafter: str, tree_exact: bool | None = None) -> dict:
-    """What the export can run (`capabilities`), restricted to `drafter` and plain decoding unless it is "auto"."""
+    """What the export can run (`capabilities`), restricted to `drafter` and plain decoding unless it is "auto";
+    under "auto" a model drafter only where it earns its cost (`model_earns_its_cost`), as the engine's `auto`
+    decides without a plan."""
     caps = capabilities(manifest, tree_exact)
     if drafter != "auto":
         caps = {"drafters": tuple(d for d in caps["drafters"] if d in ("none", drafter)),
                 "tree_drafters": tuple(d for d in caps["tree_drafters"] if d == drafter)}
+    elif "model" in caps["drafters"] and not model_earns_its_cost(
+            manifest, Latency.from_calibration(manifest, None).target_for(EARNS_CONTEXT)):
+        caps = {**caps, "drafters": tuple(d for d in caps["drafters"] if d != "model")}
     return caps
+
+
+EARNS_CONTEXT = 128  # cached tokens at which a plan prices the model drafter against free chains
+
+
+def model_earns_its_cost(manifest: Manifest, verify_ms) -> bool:
+    """Lookup and recycling drafts cost no model calls; a model drafter must earn its own. `auto` chooses it only
+    when its best chain (its measured agreement, its measured call cost) is expected to give more tokens per
+    millisecond than free chains accepted at FREE_CHAIN_ACCEPTANCE, both priced by the target's verify curve
+    `verify_ms` (S -> ms). Measured (docs/design-decisions.md): SmolLM2's 2-layer early exit agrees on 0.46 and is
+    never chosen; Gemma 3 270M's full-depth drafter agrees on 0.997 but costs 0.6-0.7 of a target call, and hybrid
+    beat it on every category of completion prompts (a plan that chose it ran at 0.61-0.98x plain decoding)."""
+    g = drafter_graph(manifest)
+    agreement = top1_agreement(g, 0.0)
+    if agreement < FREE_CHAIN_ACCEPTANCE:
+        return False
+    cost = float(g.stats.get("latency_ms_s1") or 0.0)
+    _, model = best_chain(AcceptanceStats(agreement), verify_ms, cost)
+    _, free = best_chain(AcceptanceStats(FREE_CHAIN_ACCEPTANCE), verify_ms)
+    return model > free
 
 
 def fitting_nodes(manifest: Manifest, profile, context: int, budget_mb: float, drafter: str, *,

@@ -658,3 +658,29 @@ def test_best_prefix_pays_for_the_padded_call():
                                                   for k in range(1, 4)]
         k, rate = best_prefix(p, curve, min_call)
         assert k == int(np.argmax(rates)) and rate == pytest.approx(max(rates))
+
+
+def _with_drafter(agreement: float, latency_ms: float) -> Manifest:
+    d = copy.deepcopy(SMOLLM2)
+    d["graphs"][1]["stats"].update(top1_agreement=agreement, latency_ms_s1=latency_ms)
+    return Manifest.from_dict(d)
+
+
+@pytest.mark.parametrize("agreement,latency_ms,earns", [
+    (0.997, 0.6 * 29.458, False),  # agrees, but costs most of a target call: free chains win (Gemma 3's case)
+    (0.997, 0.02 * 29.458, True),  # agrees and is nearly free
+    (0.5, 0.0, False),  # agrees less than free chains do
+])
+def test_auto_plans_a_model_drafter_only_where_it_earns_its_cost(agreement, latency_ms, earns):
+    """A plan under `auto` weighs the model drafter against free chains as the engine's `auto` does without a plan
+    (edge.planning.model_earns_its_cost); a plan for `--drafter model` still plans it."""
+    from edge.planning import _drafter_caps, make_plan, model_earns_its_cost
+
+    m = _with_drafter(agreement, latency_ms)
+    curve = Latency.from_calibration(m, None).target_for(128)
+    assert model_earns_its_cost(m, curve) is earns
+    assert ("model" in _drafter_caps(m, "auto")["drafters"]) is earns
+    assert "model" in _drafter_caps(m, "model")["drafters"]
+    prof = SimpleNamespace(name="host", budget_mb=4000, device_class="cpu", calibration=None)
+    if not earns:
+        assert make_plan(m, prof, 1024, None).drafter != "model"
