@@ -273,16 +273,15 @@ class _Builder:
 
     def rescored_head(self, x: str, w: np.ndarray, embed_scale: float) -> str:
         """Logits [1, R, V] for x [1, R, K] in two stages. A coarse head, w at 4 bits in blocks of 32 with no zero
-        points, ranks the whole vocabulary; the `head_rescore` best of each row
-        are then scored again as float dot products with their rows of the 8-bit embedding table (the same
-        GatherBlockQuantized the input embedding reads, divided by the embedding's scale), and written over their
-        coarse logits. The other logits stay coarse: they only decide which tokens are candidates, and what sampling
-        gives the far tail.
+        points, ranks the whole vocabulary; the `head_rescore` best of each row are then scored again as float dot
+        products with their rows of the 8-bit embedding table (the same GatherBlockQuantized the input embedding
+        reads, divided by the embedding's scale), and written over their coarse logits. The other logits stay
+        coarse: they only decide which tokens are candidates, and what sampling gives the far tail.
 
         Why: a 1-row call reads every weight of the head once. At 8 bits a 262,144 × 640 head is 168 MB a token and
-        more than half of a Gemma 3 270M call; at 4 bits it is 84 MB, and the 8-bit table it rescores
-        from is read only at the candidates' rows (and needs no prepacked copy). Every stage works on each row
-        alone, so a token's logits do not depend on how many rows share its call, as the layers' do not."""
+        more than half of a Gemma 3 270M call; at 4 bits it is 84 MB, and the 8-bit table it rescores from is read
+        only at the candidates' rows (and needs no prepacked copy). Every stage works on each row alone, so a
+        token's logits do not depend on how many rows share its call, as the layers' do not."""
         n, k = w.shape
         cb, cand = COARSE_HEAD_BLOCK, self.o.head_rescore
         b, s = _once(quantize_blockwise, w, COARSE_HEAD_BITS, cb)
