@@ -502,7 +502,6 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
     ck, opts, target_opts = chosen.ck, chosen.opts, chosen.graph_opts
     kv_scales, smoothing = chosen.kv_scales, chosen.smoothing
     del candidates
-    runner = GraphRunner(str(part / target_file), c.layers, c.kv_heads, c.head_dim, opts.threads)
     sess = _session(part / target_file, c, target_opts, max_len, opts.threads, capacity=max_len)
     report = dict(chosen.parity) if requested.parity else {}
 
@@ -511,9 +510,7 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
     produced = []
     mass = np.zeros(c.vocab, np.float64)  # the target's next-token probabilities, summed over the calibration text
     for ids in calib:
-        rows = []  # the logits over the prompt and its continuation, as the greedy run computed them
-        gen = _greedy(sess, ids, opts.calib_new_tokens, stop, rows)
-        logits = np.concatenate(rows)
+        gen, logits = _greedy(sess, ids, opts.calib_new_tokens, stop)
         p = np.exp(logits - logits.max(-1, keepdims=True))
         mass += (p / p.sum(-1, keepdims=True)).sum(0)
         produced.append((list(logits[: len(ids)].argmax(-1)), gen, ids))  # the predictions over the prompt
@@ -522,9 +519,10 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
     # chat shares.
     held_text, held_target, held_scored = [], [], []
     for ids in held:
-        gen = _greedy(sess, ids, opts.calib_new_tokens, stop)
+        gen, logits = _greedy(sess, ids, opts.calib_new_tokens, stop)
+        last = sess.forward([gen[-1]])  # the row after the last token, which the greedy run did not feed
         held_text.append(ids + gen)
-        held_target.append(runner.logits(ids + gen).argmax(-1))
+        held_target.append(np.concatenate([logits, last]).argmax(-1))
         held_scored.append(_generated(len(ids), len(ids) + len(gen)))
     del sess
     steps.done()
@@ -533,6 +531,7 @@ def _build_graphs(source, part: Path, opts: ExportOptions, steps: _Steps, checkp
     ranked = rank_vocabulary([p[0] + p[1] for p in produced], c.vocab,
                              always=tuple(tf.eos) + ((tf.bos,) if tf.bos is not None else ()), mass=mass)
     past = min(128, max_len - VERIFY_SIZES)  # a short --max-len still leaves room for the probe
+    runner = GraphRunner(str(part / target_file), c.layers, c.kv_heads, c.head_dim, opts.threads)
     target_ms = [runner.latency_ms(s, past=past, reps=20 if s == 1 else 10) for s in range(1, VERIFY_SIZES + 1)]
     del runner
 
@@ -798,31 +797,27 @@ def _one_row_exact(path: Path, c, gopts: GraphOptions, max_len: int, threads: in
     return one_row_exact(_session(path, c, gopts, max_len, threads, capacity=min(max_len, 512)))
 
 
-def _greedy(sess, ids: list[int], n: int, stop: tuple[int, ...] = (), rows: list | None = None) -> list[int]:
-    """Up to `n` greedy tokens after `ids`, the stop token included (`GraphRunner.greedy`'s continuation), one
-    token a call through the runtime's session: on Gemma 3 270M 12 ms a token where feeding the cache back as
-    inputs took ~19 ms, and calibration text is the export's longest step. `rows`: gets the logits [S, V] of
-    every call appended (the prompt's, then each token's but the last), which a width-independent graph computes
-    as one call over the whole text would."""
+def _greedy(sess, ids: list[int], n: int, stop: tuple[int, ...] = ()) -> tuple[list[int], np.ndarray]:
+    """Up to `n` greedy tokens after `ids`, the stop token included (`GraphRunner.greedy`'s continuation), and the
+    logits [len(ids) + len(tokens) - 1, V] of the prompt and of every token but the last, one token a call through
+    the runtime's session: on Gemma 3 270M 12 ms a token where feeding the cache back as inputs took ~19 ms, and
+    calibration text is the export's longest step. A width-independent graph computes those rows as one call over
+    the whole text would, so no teacher-forced pass follows."""
     sess.cache.trim(sess.cache.length)
-    if rows is None:
-        last = sess.prefill(ids)
-    else:
-        for i in range(0, len(ids), sess.max_call):
-            part = ids[i : i + sess.max_call]
-            rows.append(sess.forward(part).copy())
-            sess.cache.append(len(part), part)
-        last = rows[-1][-1]
-    tok = int(last.argmax())
+    rows = []
+    for i in range(0, len(ids), sess.max_call):
+        part = ids[i : i + sess.max_call]
+        rows.append(sess.forward(part).copy())
+        sess.cache.append(len(part), part)
+    tok = int(rows[-1][-1].argmax())
     gen = [tok]
     while len(gen) < n and tok not in stop:
-        out = sess.call([tok], logits=rows is not None)
+        out = sess.call([tok])
         sess.cache.append(1, [tok])
-        if rows is not None:
-            rows.append(out.logits.copy())
+        rows.append(out.logits.copy())
         tok = int(out.top_ids[0, 0]) if out.top_ids is not None else int(out.logits[0].argmax())
         gen.append(tok)
-    return gen
+    return gen, np.concatenate(rows)
 
 
 def _remove_graph(path: Path) -> None:
