@@ -1,4 +1,5 @@
-"""Tokenizer, chat template and UTF-8-safe incremental detokenization (runtime side: `tokenizers` + jinja2 only).
+"""Tokenizer, chat template and UTF-8-safe incremental detokenization (runtime side: `tokenizers` + jinja2 only;
+a SentencePiece-style vocabulary with the exporter's compact tables beside it is read by `edge.bpe` instead).
 
 Chat prompts are rendered as transformers' `apply_chat_template` renders them (a sandboxed jinja2 environment with
 loop controls, `{% generation %}`, `strftime_now`, `raise_exception` and a `tojson` that does not HTML-escape), but
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, pre_tokenizers
 
+from .bpe import CompactBpe, load_beside
 from .errors import EngineError
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -43,7 +45,8 @@ class TextCodec:
     def __init__(self, tokenizer_json: str | Path, chat_template: str | None, bos: int | None, eos: tuple[int, ...]):
         self._path = str(tokenizer_json)
         self._stat = _file_identity(self._path)
-        self.tok = Tokenizer.from_file(self._path)
+        # Gemma 3's vocabulary: ~12 MB as the exporter's compact tables, ~93 MB in the tokenizers library
+        self.tok = load_beside(self._path) or Tokenizer.from_file(self._path)
         self.vocab_size = self.tok.get_vocab_size()
         self.bos, self.eos = bos, tuple(eos)
         self._template_src = chat_template
@@ -88,7 +91,7 @@ class TextCodec:
         token's characters are in the byte table (so the Fuse'd string maps byte for byte), no Replace pattern can
         occur in it, and no token is a <0x..> byte-fallback piece. Checked once (~30 ms for 49k tokens)."""
         if self._byte_level is None:
-            self._byte_level = _decodes_bytewise(self.tok)
+            self._byte_level = not isinstance(self.tok, CompactBpe) and _decodes_bytewise(self.tok)
         return self._byte_level
 
     def token_bytes(self, i: int) -> bytes:
@@ -207,6 +210,8 @@ class TextCodec:
     def _stretch(self, text: str, a: int, b: int, ids: list[int], again: bool) -> list[int]:
         if not again or a >= b:
             return ids
+        if not self._plain and isinstance(self.tok, CompactBpe):  # the same tables, control matching off
+            self._plain = dict.fromkeys((True, False), self.tok.without_control())
         if not self._plain:  # one copy serves both unless the pre-tokenizer treats the prompt's start apart
             try:
                 same = _file_identity(self._path) == self._stat

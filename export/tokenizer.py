@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def hf_tokenizer_files(src: Path, out_dir: Path, cfg: dict) -> TokenizerFiles:
         write_tokenizer_json(cfg_tok, out_dir / "tokenizer.json")
     else:
         shutil.copyfile(tj, out_dir / "tokenizer.json")
+        write_compact_tables(out_dir / "tokenizer.json", cfg_tok)
     eos = cfg.get("eos_token_id")
     gen = src / "generation_config.json"
     if gen.is_file():
@@ -80,8 +82,54 @@ def compact_merges(cfg: dict) -> bool:
 
 
 def write_tokenizer_json(cfg: dict, out: Path) -> None:
-    """`cfg` as one line of UTF-8 JSON, as `Tokenizer.save(pretty=False)` writes it."""
+    """`cfg` as one line of UTF-8 JSON, as `Tokenizer.save(pretty=False)` writes it, and the runtime's compact
+    tables beside it where they apply."""
     out.write_text(json.dumps(cfg, ensure_ascii=False, separators=(",", ":")), encoding="utf-8")
+    write_compact_tables(out, cfg)
+
+
+def write_compact_tables(tokenizer_json: Path, cfg: dict) -> bool:
+    """`edge.bpe`'s tables beside `tokenizer_json` (parsed as `cfg`), for a SentencePiece-style BPE vocabulary, kept
+    only when they tokenize and decode the check texts exactly as the tokenizers library reads the file. The runtime
+    then holds Gemma 3's vocabulary in ~12 MB instead of ~93. Returns whether they were written."""
+    from tokenizers import Tokenizer
+
+    from edge.bpe import load_beside, tables_path, write_tables
+
+    out = tables_path(tokenizer_json)
+    out.unlink(missing_ok=True)
+    if not write_tables(cfg, tokenizer_json, out):
+        return False
+    compact, lib = load_beside(tokenizer_json), Tokenizer.from_file(str(tokenizer_json))
+    plain = compact.without_control()
+
+    def same(text: str) -> bool:
+        lib.encode_special_tokens = False
+        want, got = lib.encode(text, add_special_tokens=True), compact.encode(text, add_special_tokens=True)
+        if got.ids != want.ids or got.offsets != want.offsets:
+            return False
+        if compact.decode(want.ids) != lib.decode(want.ids, skip_special_tokens=False):
+            return False
+        lib.encode_special_tokens = True
+        return plain.encode(text, add_special_tokens=False).ids == lib.encode(text, add_special_tokens=False).ids
+
+    for text in _check_texts(compact):
+        if not same(text):
+            out.unlink()
+            print(f"note: {out.name} not written: it encodes {text[:40]!r} unlike tokenizer.json; the runtime reads "
+                  "tokenizer.json with the tokenizers library", file=sys.stderr)
+            return False
+    return True
+
+
+def _check_texts(tok) -> list[str]:
+    """Prose, code, text outside the vocabulary and every added token inside text."""
+    from .calibration import PARITY_TEXTS, PROMPTS
+
+    added = [t.content for t in tok.get_added_tokens_decoder().values()]
+    mixed = "Grüße, 世界! naïve café — ∑ x² 😀 \t\r\n  spaced   out\u00a0end"
+    return ([p if isinstance(p, str) else json.dumps(p) for p in PROMPTS] + list(PARITY_TEXTS) + [mixed]
+            + ["".join(f"a{t} {t}b" for t in added[k:k + 64]) for k in range(0, len(added), 64)])
 
 
 def write_tokenizer(ck: Checkpoint, out_dir: Path) -> TokenizerFiles:

@@ -49,6 +49,21 @@ def test_token_logits_do_not_depend_on_call_length(gemma):
     gemma.reset()
 
 
+def test_the_compact_tokenizer_reads_gemmas_vocabulary_as_the_library(gemma):
+    from tokenizers import Tokenizer
+
+    from edge.bpe import CompactBpe
+    from edge.tools.bench import DEFAULT_PROMPTS, read_workload
+
+    assert isinstance(gemma.codec.tok, CompactBpe)
+    lib = Tokenizer.from_file(str(gemma.model_dir / gemma.manifest.tokenizer))
+    texts = [t for it in read_workload(DEFAULT_PROMPTS) for t in it["turns"] if isinstance(t, str)] + PROMPTS
+    for t in texts:
+        assert gemma.codec.encode(t) == lib.encode(t, add_special_tokens=False).ids, t[:60]
+    ids = lib.encode("\n".join(texts)).ids
+    assert gemma.codec.decode(ids) == lib.decode(ids, skip_special_tokens=False)
+
+
 @pytest.mark.parametrize("drafter", ["model", "lookup", "hybrid"])
 def test_greedy_speculative_identical_to_plain(gemma, drafter):
     drafted = 0
