@@ -29,8 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
+from memory.footprint import TOKENIZER_TABLES as TABLES_NAME  # the footprint model counts the file by this name
+
 SPACE = "\u2581"
-TABLES_NAME = "tokenizer.bpe.npz"
 TABLES_FORMAT = 1
 
 

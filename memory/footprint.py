@@ -5,13 +5,15 @@ MB means 2**20 bytes throughout (what psutil's RSS / 2**20 and `top` show).
 
 Components of `predict_peak` (each in bytes, named in `Footprint.parts`):
 
-    baseline          Python + numpy + onnxruntime + tokenizer, before any session (calibrated constant)
+    baseline          Python + numpy + onnxruntime, before any session (calibrated constant)
+    tokenizer         the loaded tokenizer, by its file (`tokenizer_bytes`)
     <g>.weights       resident weights of graph g (see `resident_weight_bytes`)
     <g>.session       ORT session bookkeeping: a + b·layers (calibrated)
     <g>.kv            2·layers·kv_heads·head_dim·elem per slot: context + the verify call's slots (or `capacity`)
     <g>.logits        the bound logits buffer, grown to the widest call: [rows, vocab] float32
     <g>.arena         ORT's activation arena, which keeps its high-water mark: max over the calls the plan makes
-                      (prefill chunks and verify/draft calls) of a + b·S·hidden + c·R·vocab + e·S·T
+                      (prefill chunks and verify/draft calls) of a + b·S·hidden + c·R·vocab + e·S·T, plus the
+                      coarse and rescored logits of a two-stage head
     runtime.bias      the largest attention-bias array the runtime builds for one call: [S, T] float32
     verify.work       sampling only: p [S, V] float32 and the model drafter's q [K, V] float64
     lookup.state      prompt-lookup history + n-gram index (bytes per context token)
@@ -40,6 +42,10 @@ COARSE_HEAD_BITS = 4
 COARSE_HEAD_BLOCK = 32
 HEAD_RESCORE = 16
 TOKENIZER_RSS_PER_FILE_BYTE = 8.0
+# edge.bpe's compact tables (written beside tokenizer.json for SentencePiece-style vocabularies), read in their place:
+# the arrays are held as stored (measured: Gemma 3's 13.0 MB file, 12-13 MB of RSS)
+TOKENIZER_TABLES = "tokenizer.bpe.npz"
+TOKENIZER_TABLES_RSS_PER_FILE_BYTE = 1.0
 # Element size of the float tensors (embedding, norms, rotary tables, scales, float matmuls): the exporter keeps
 # fp32 floats for quantized bodies and switches everything to fp16 only for an fp16 export (export/graph.py).
 FLOAT_BYTES = {"fp32": 4, "fp16": 2, "int8": 4, "int4": 4, "w8a8": 4}
@@ -252,6 +258,10 @@ class Calibration:
     act_bytes_per_row_hidden: float = 80.0  # b: per row and hidden unit (all of a layer's live activations)
     act_bytes_per_row_vocab: float = 0.0  # c: per kept logits row and vocab entry (0 here: the head writes
     # straight into the bound logits buffer, counted as <g>.logits)
+    # a two-stage head (COARSE_HEAD_BITS): its coarse logits and their rescored copy are two more [R, vocab] float
+    # tensors in the arena, with the arena's own slack. Measured on Gemma 3 270M (262,144 tokens): peak RSS grew
+    # 2.4-2.7 MB per verify row beyond the bound logits (memprobe, k = 0 and 16 at contexts 500 and 2,000)
+    rescore_bytes_per_row_vocab: float = 10.0
     attn_bytes_per_row_token: float = 8.0  # e: attention scores per query row and key position; measured ≈ 4 B
     # per thread (2 threads). GQA's CPU source allocates heads·4 B, but only the pages it touches become resident
     source: str = ("measured on this host (2-core x86, onnxruntime 1.31.1 CPU EP, 2 threads) on the embedded "
@@ -394,10 +404,15 @@ def resident_weight_bytes(w: WeightBytes, calib: Calibration, context: int, resc
 
 
 def tokenizer_bytes(manifest) -> int:
-    """The loaded tokenizer: the tokenizers library holds ~TOKENIZER_RSS_PER_FILE_BYTE bytes per byte of its
-    tokenizer.json (measured: SmolLM2 1.9 MB → 15 MB, Gemma 3 11.7 MB → 93 MB)."""
-    entry = next((f for f in getattr(manifest, "files", ()) if f.path == getattr(manifest, "tokenizer", None)), None)
-    return round(TOKENIZER_RSS_PER_FILE_BYTE * entry.bytes) if entry else 0
+    """The loaded tokenizer: its compact tables where the export has them (TOKENIZER_TABLES beside tokenizer.json),
+    else the tokenizers library, which holds ~TOKENIZER_RSS_PER_FILE_BYTE bytes per byte of its tokenizer.json
+    (measured: SmolLM2 1.9 MB → 15 MB, Gemma 3 11.7 MB → 93 MB)."""
+    files = {f.path: f.bytes for f in getattr(manifest, "files", ())}
+    tok = getattr(manifest, "tokenizer", None) or ""
+    tables = (tok.rpartition("/")[0] + "/" if "/" in tok else "") + TOKENIZER_TABLES
+    if tables in files:
+        return round(TOKENIZER_TABLES_RSS_PER_FILE_BYTE * files[tables])
+    return round(TOKENIZER_RSS_PER_FILE_BYTE * files[tok]) if tok in files else 0
 
 
 def embedding_resident_bytes(w: WeightBytes, calib: Calibration, context: int) -> int:
@@ -409,10 +424,13 @@ def embedding_resident_bytes(w: WeightBytes, calib: Calibration, context: int) -
     return min(w.embedding, round(windows * -math.expm1(-distinct / windows) * fault))
 
 
-def arena_bytes(calib: Calibration, hidden: int, vocab: int, rows: int, kept: int, span: int) -> int:
-    """ORT activation workspace of one call: a + b·S·hidden + c·R·vocab + e·S·T."""
+def arena_bytes(calib: Calibration, hidden: int, vocab: int, rows: int, kept: int, span: int,
+                rescored: bool = False) -> int:
+    """ORT activation workspace of one call: a + b·S·hidden + c·R·vocab + e·S·T, plus `rescore_bytes_per_row_vocab`
+    ·R·vocab for a two-stage head (`rescored`)."""
+    c = calib.act_bytes_per_row_vocab + (calib.rescore_bytes_per_row_vocab if rescored else 0.0)
     return round(calib.act_mb * MB + calib.act_bytes_per_row_hidden * rows * hidden
-                 + calib.act_bytes_per_row_vocab * kept * vocab + calib.attn_bytes_per_row_token * rows * span)
+                 + c * kept * vocab + calib.attn_bytes_per_row_token * rows * span)
 
 
 def top1_agreement(graph, default: float) -> float:
@@ -445,8 +463,9 @@ def _session_parts(prefix: str, manifest, graph, calib: Calibration, context: in
     w = graph_weight_bytes(manifest, graph)
     span = context + call_rows
     chunk = max(1, min(prefill_chunk, context))
-    arena = max(arena_bytes(calib, a["hidden"], graph.vocab, call_rows, kept_rows, span),
-                arena_bytes(calib, a["hidden"], graph.vocab, chunk, 1, span))
+    rescored = graph.head_rescore > 0
+    arena = max(arena_bytes(calib, a["hidden"], graph.vocab, call_rows, kept_rows, span, rescored),
+                arena_bytes(calib, a["hidden"], graph.vocab, chunk, 1, span, rescored))
     parts = [
         (f"{prefix}.weights", resident_weight_bytes(w, calib, context, rescored=graph.head_rescore > 0)),
         # + edge.runner's per-session arrays: a zero bias row over capacity + MAX_CALL and a causal block

@@ -160,6 +160,48 @@ def test_the_tokenizer_is_counted_by_its_file():
     assert big["tokenizer"] == 96_000_000 and big.total_bytes - plain.total_bytes == 96_000_000
 
 
+def test_compact_tokenizer_tables_are_counted_in_place_of_the_library():
+    """An export with edge.bpe's tables beside tokenizer.json is read through them: their file's bytes are what the
+    runtime holds (Gemma 3: 13 MB against the library's 93), wherever the tokenizer sits in the model directory."""
+    from dataclasses import replace
+
+    from edge.manifest import FileEntry
+    from memory.footprint import TOKENIZER_TABLES, tokenizer_bytes
+
+    json_only = replace(M, files=M.files + (FileEntry(M.tokenizer, 12_000_000, "0" * 64),))
+    both = replace(json_only, files=json_only.files + (FileEntry(TOKENIZER_TABLES, 13_000_000, "0" * 64),))
+    assert tokenizer_bytes(json_only) == 96_000_000 and tokenizer_bytes(both) == 13_000_000
+    nested = replace(both, tokenizer="tok/tokenizer.json",
+                     files=(FileEntry("tok/tokenizer.json", 12_000_000, "0" * 64),
+                            FileEntry(TOKENIZER_TABLES, 13_000_000, "0" * 64)))  # tables of another directory
+    assert tokenizer_bytes(nested) == 96_000_000
+    assert predict_peak(both, Speculation(), 512)["tokenizer"] == 13_000_000
+
+
+def test_a_rescored_head_puts_two_vocabulary_rows_per_kept_row_in_the_arena():
+    """The coarse logits and their rescored copy are [R, vocab] floats in ORT's arena (beyond the bound logits):
+    the term grows with the verify call's rows, for a two-stage head only."""
+    from dataclasses import replace
+
+    t = replace(M.target, embedding_bits=8, lm_head_bits=8, precision="int8", weight_bytes=0)
+    one = replace(M, graphs=(t,) + tuple(M.drafters))
+    two = replace(M, graphs=(replace(t, head_rescore=16),) + tuple(M.drafters))
+
+    from memory.footprint import arena_bytes
+
+    def arena(m, k):
+        return predict_peak(m, Speculation("lookup", k), 512)["target.arena"]
+
+    per_row = CPU.rescore_bytes_per_row_vocab * t.vocab
+    assert per_row > 0
+    for rows in (1, 9, 33):
+        plain = arena_bytes(CPU, 576, t.vocab, rows, rows, 600)
+        assert arena_bytes(CPU, 576, t.vocab, rows, rows, 600, rescored=True) - plain == round(rows * per_row)
+    # past the prefill chunk's workspace, each verify row adds its logits rows to a rescored target's arena only
+    assert arena(one, 48) - arena(one, 40) < per_row / 4
+    assert arena(two, 48) - arena(two, 40) >= round(8 * per_row)
+
+
 def test_a_rescored_head_keeps_the_whole_embedding_table():
     """A two-stage head reads its candidates' rows of the memory-mapped table on every call: the whole table is
     counted, where a one-stage head's graph counts the rows its context looked up."""
