@@ -24,6 +24,7 @@ import hashlib
 import heapq
 import json
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def load_beside(tokenizer_json: str | Path) -> CompactBpe | None:
             arrays = {k: z[k] for k in z.files}
         header = json.loads(arrays.pop("header").tobytes())
         source = arrays.pop("source").tobytes().decode()
-    except (OSError, ValueError, KeyError, EOFError):
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         return None  # unreadable: the library reads tokenizer.json itself
     if header.get("format") != TABLES_FORMAT or source != file_digest(tokenizer_json):
         return None

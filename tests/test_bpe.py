@@ -138,8 +138,13 @@ def test_tables_from_another_file_are_not_used(tmp_path):
     path.write_text(json.dumps(cfg))  # the file changed after its tables were made
     assert load_beside(path) is None
     assert isinstance(TextCodec(path, None, 2, (1,)).tok, Tokenizer)
-    tables_path(path).write_bytes(b"not an npz")
-    assert load_beside(path) is None
+    fresh = export_tokenizer(tmp_path / "fresh")
+    good = tables_path(fresh).read_bytes()
+    for damaged in (b"not an npz", good[: len(good) // 2], good[:100]):  # of the right file, but unreadable
+        tables_path(fresh).write_bytes(damaged)
+        assert load_beside(fresh) is None
+        assert TextCodec(fresh, None, 2, (1,)).encode("the start") == Tokenizer.from_file(str(fresh)).encode(
+            "the start", add_special_tokens=False).ids
 
 
 def test_only_vocabularies_it_reproduces_get_tables(tmp_path):
