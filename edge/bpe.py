@@ -20,6 +20,7 @@ What it reproduces of a tokenizer.json, and `tables_for` refuses anything else:
 from __future__ import annotations
 
 import bisect
+import copy
 import hashlib
 import heapq
 import json
@@ -147,7 +148,7 @@ class CompactBpe:
     pre_tokenizer = None
 
     def __init__(self, header: dict, arrays: dict, encode_special_tokens: bool = False):
-        self._h, self._a = header, arrays
+        self._h = header
         self.encode_special_tokens = encode_special_tokens
         self._size = header["size"]
         self._blob = arrays["pieces"].tobytes()
@@ -172,13 +173,10 @@ class CompactBpe:
         self._byte_value = {i: b for b, i in enumerate(self._byte)}
 
     def without_control(self) -> CompactBpe:
-        """The same tables, with control tokens' strings encoded as text (`encode_special_tokens`)."""
-        return CompactBpe.__new__(CompactBpe)._share(self, True)
-
-    def _share(self, other: CompactBpe, encode_special_tokens: bool) -> CompactBpe:
-        self.__dict__.update(other.__dict__)
-        self.encode_special_tokens = encode_special_tokens
-        return self
+        """The same tables (shared, not copied), with control tokens' strings encoded as text."""
+        plain = copy.copy(self)
+        plain.encode_special_tokens = True
+        return plain
 
     # ------------------------------------------------------------------ the library's API, as TextCodec uses it
     def get_vocab_size(self) -> int:
