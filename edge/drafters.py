@@ -15,7 +15,7 @@ vocabulary), or None for deterministic drafters (lookup), which verification the
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -30,20 +30,42 @@ _CHAIN_PARENTS.flags.writeable = False  # shared by every chain's `parents` (rea
 _CHAIN_VIEWS = [_CHAIN_PARENTS[:n] for n in range(len(_CHAIN_PARENTS) + 1)]  # made once: a draft is built every step
 
 
-@dataclass
 class Draft:
-    tokens: np.ndarray  # [N] int64
-    parents: np.ndarray  # [N] int64, into [root] + tokens
-    q: np.ndarray | None = None  # [N, V] or None
-    # what produced it, for acceptance statistics finer than the drafter ("lookup:3": a span found by a 3-gram
-    # match; "recycling"); empty = the drafter's own name
-    source: str = ""
-    # per token, what found it (chains from free drafters: "lookup:3", "recycling:b" / "recycling:u"); the engine
-    # prices each token by its label's acceptance (memory.acceptance.TokenAcceptance). None: the source for all
-    labels: tuple[str, ...] | None = None
-    # set by `chain` (and `empty`): known to be a chain without comparing parents (a draft is built every step, right
-    # after an ONNX Runtime call, when every numpy call is slow)
-    known_chain: bool = field(default=False, repr=False, compare=False)
+    """tokens [N] int64; parents [N] int64, into [root] + tokens; q [N, V] or None.
+
+    `source`: what produced it, for acceptance statistics finer than the drafter ("lookup:3": a span found by a
+    3-gram match; "recycling"); empty = the drafter's own name. `labels`: per token, what found it (chains from
+    free drafters: "lookup:3", "recycling:b" / "recycling:u"); the engine prices each token by its label's
+    acceptance (memory.acceptance.TokenAcceptance); None: the source for all. `known_chain`: set by `chain` (and
+    `empty`), known to be a chain without comparing parents.
+
+    A chain made from a list of Python ints keeps that list (`ids`) and makes its `tokens` array only when one is
+    read: a free draft is built, labelled, cut and verified every step, right after an ONNX Runtime call, when each
+    numpy call (an array from a list, a `tolist`) costs microseconds, and that path reads only the list."""
+
+    __slots__ = ("_tokens", "_ids", "parents", "q", "source", "labels", "known_chain")
+
+    def __init__(self, tokens, parents, q: np.ndarray | None = None, source: str = "",
+                 labels: tuple[str, ...] | None = None, known_chain: bool = False):
+        if isinstance(tokens, list):
+            self._tokens, self._ids = None, tokens
+        else:
+            self._tokens, self._ids = tokens, None
+        self.parents, self.q, self.source, self.labels, self.known_chain = parents, q, source, labels, known_chain
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """[N] int64."""
+        if self._tokens is None:
+            self._tokens = np.asarray(self._ids, np.int64)
+        return self._tokens
+
+    @property
+    def ids(self) -> list[int]:
+        """The tokens as a list of Python ints (do not modify it)."""
+        if self._ids is None:
+            self._ids = self._tokens.tolist()
+        return self._ids
 
     @classmethod
     def empty(cls) -> "Draft":
@@ -52,26 +74,34 @@ class Draft:
 
     @classmethod
     def chain(cls, tokens, q=None, source: str = "", labels=None) -> "Draft":
-        t = np.asarray(tokens, np.int64)
-        n = len(t)
+        """A chain of `tokens`: a list of Python ints (kept as it is: the caller hands it over), else any sequence
+        of ids (an array of int64)."""
+        if not isinstance(tokens, list):
+            tokens = np.asarray(tokens, np.int64)
+        n = len(tokens)
         parents = _CHAIN_VIEWS[n] if n < len(_CHAIN_VIEWS) else np.arange(n, dtype=np.int64)
-        return cls(t, parents, q, source, None if labels is None else tuple(labels), known_chain=True)
+        return cls(tokens, parents, q, source, None if labels is None else tuple(labels), known_chain=True)
 
     def head(self, n: int) -> "Draft":
         """The first n tokens of a chain."""
         assert self.is_chain, "only chains are cut by length"
-        return Draft.chain(self.tokens[:n], None if self.q is None else self.q[:n], self.source,
+        return Draft.chain(self._ids[:n] if self._ids is not None else self._tokens[:n],
+                           None if self.q is None else self.q[:n], self.source,
                            None if self.labels is None else self.labels[:n])
 
     @property
     def is_chain(self) -> bool:
-        return self.known_chain or bool(np.array_equal(self.parents, np.arange(len(self.tokens))))
+        return self.known_chain or bool(np.array_equal(self.parents, np.arange(len(self))))
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self._ids) if self._ids is not None else len(self._tokens)
+
+    def __repr__(self) -> str:
+        return (f"Draft(tokens={self.ids}, parents={self.parents.tolist()}, q={'None' if self.q is None else 'array'}, "
+                f"source={self.source!r}, labels={self.labels!r})")
 
 
-_EMPTY = Draft.chain(())
+_EMPTY = Draft.chain(np.zeros(0, np.int64))
 _EMPTY.tokens.flags.writeable = False
 
 
@@ -523,8 +553,9 @@ class HybridDrafter:
         if not len(chain):
             return tree
         # trie merge: key = path of tokens from the root
-        toks, parents = list(chain.tokens), list(range(len(chain)))
-        index = {tuple(chain.tokens[: i + 1].tolist()): i + 1 for i in range(len(chain))}
+        ids = chain.ids
+        toks, parents = list(ids), list(range(len(chain)))
+        index = {tuple(ids[: i + 1]): i + 1 for i in range(len(chain))}
         paths = [()]
         for t, p in zip(tree.tokens.tolist(), tree.parents.tolist()):
             path = paths[p] + (t,)

@@ -36,10 +36,10 @@ def token_labels(d: Draft, kind: str, others: Sequence[Draft] = ()) -> tuple[str
     whether one of them drafted the same tokens up to and including this one ("/agree"), none had even the first
     token ("/split"), or they agreed at first and parted — or the other chain ended — before this token ("/parted")."""
     base = d.labels if d.labels is not None else (d.source or kind,) * len(d)
-    toks = d.tokens.tolist()
+    toks = d.ids
     common = 0  # longest prefix any other candidate shares with this one
     for o in others:
-        ot, n = o.tokens.tolist(), 0
+        ot, n = o.ids, 0
         while n < min(len(ot), len(toks)) and ot[n] == toks[n]:
             n += 1
         common = max(common, n)
@@ -168,7 +168,7 @@ class DraftLength:
         labelled, chosen = [], None
         for i, c in enumerate(cands):
             labels = token_labels(c, kind, cands[:i] + cands[i + 1 :])
-            labelled.append(Draft.chain(c.tokens, None, c.source, labels))
+            labelled.append(Draft.chain(c.ids, None, c.source, labels))
             k, rate = best_prefix(self.token_acceptance.probs(labels), verify_ms, self.min_call)
             if k and rate > best_rate:
                 best, best_rate, chosen = labelled[-1].head(k), rate, i
@@ -217,9 +217,11 @@ class DraftLength:
         retrieved spans lost to recycling chains priced on what they had earned while lookup's labels never
         moved)."""
         for c in self._unverified:
-            toks = c.tokens.tolist()
+            toks = c.ids
             n = min(len(toks), len(truth))
-            j = next((i for i in range(n) if toks[i] != truth[i]), n)
+            j = 0
+            while j < n and toks[j] == truth[j]:
+                j += 1
             self.token_acceptance.update(c.labels[: j + 1] if j < n else c.labels[:n], j)
         self._unverified = []
 

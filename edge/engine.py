@@ -536,7 +536,7 @@ class Engine:
         candidates to Token Recycling (not in plain decoding, which keeps its steps free of drafting work); `head`:
         `_head_request(p)`, which a request computes once."""
         # the call's ids as a Python list: this runs right after the last call, when each numpy op costs tens of µs
-        tokens = ([int(root)] + d.tokens.tolist()) if len(d) else [int(root)]
+        tokens = ([int(root)] + d.ids) if len(d) else [int(root)]
         L = self.target.cache.length
         greedy = p.temperature == 0
         head_k, need_logits = self._head_request(p) if head is None else head
