@@ -50,7 +50,7 @@ def token_labels(d: Draft, kind: str, others: Sequence[Draft] = ()) -> tuple[str
     return tuple(f"{b}@{'1' if j == 0 else '2+'}{agreement(j)}" for j, b in enumerate(base))
 
 
-class _PerStep(dict):
+class _Memo(dict):
     """f(s), each s computed once: a hit is the dict's own lookup, without a Python frame."""
 
     def __init__(self, f: Callable[[int], float]):
@@ -82,6 +82,7 @@ class DraftLength:
         self.calls_at: dict[int, dict[int, float]] = {}  # context bucket -> width -> mean call ms
         self.call_ms: dict[int, float] = {}  # the current bucket's
         self.curves: dict[int, LatencyCurve] = {}  # reference call times by width, per context bucket
+        self._ref_memo: _Memo | None = None  # the latest reference curve's values (`_reference_ms`)
         self.draft_ms = 0.0  # model drafter: ms per drafted token (moving average)
         self._unverified: list[Draft] = []  # this step's candidate chains that were not verified
 
@@ -96,11 +97,20 @@ class DraftLength:
         calls = self.call_ms
         if s in calls:
             return calls[s]
-        ref = self.reference_curve()
+        ref = self._reference_ms()
         if calls:
             w = min(calls)
-            return calls[w] * ref(s) / ref(w)
-        return ref(s)
+            return calls[w] * ref[s] / ref[w]
+        return ref[s]
+
+    def _reference_ms(self) -> _Memo:
+        """`reference_curve()` by width, each width evaluated once per curve (a curve never changes once made, and
+        the widths a step prices that were not timed are priced from it every step)."""
+        curve = self.reference_curve()
+        memo = self._ref_memo
+        if memo is None or memo.f is not curve:
+            memo = self._ref_memo = _Memo(curve)
+        return memo
 
     def reference_curve(self) -> LatencyCurve:
         """What a call of each width costs at the current context before any is timed there, as the planner prices
@@ -164,7 +174,7 @@ class DraftLength:
             return Draft.empty()
         cands = [c for c in drafter.chains(budget) if len(c)]
         best, best_rate = None, 0.0
-        verify_ms = _PerStep(self.verify_ms).__getitem__  # call widths priced once per step, whatever the candidates
+        verify_ms = _Memo(self.verify_ms).__getitem__  # call widths priced once per step, whatever the candidates
         labelled, chosen = [], None
         for i, c in enumerate(cands):
             labels = token_labels(c, kind, cands[:i] + cands[i + 1 :])
