@@ -458,20 +458,25 @@ class RecyclingDrafter:
         if before is None:
             return
         prevs = [before] + (t[:-1] if parents is None else [t[q] for q in list(parents)[1:]])
-        v = self.vocab
+        v, mul, shift = self.vocab, self._HASH_MUL, self._HASH_SHIFT
         for prev, tok, row in zip(prevs, t, rows):  # a later pair in the same slot wins
             key = prev * v + tok
-            slot = self._slot(key)
+            slot = ((key * mul) & 0xFFFFFFFFFFFFFFFF) >> shift  # `_slot`, inlined
             keys[slot] = key
             nexts[slot] = row[0]
 
     def _chain(self, budget: int) -> Draft:
         toks, labels = [], []
         prev, tok = self.prev, self.root
-        tables = self._tables()
-        adj, seen, k = tables[0], tables[1], self.k
+        adj, seen, keys, nexts = self._tables()
+        k, v, mul, shift = self.k, self.vocab, self._HASH_MUL, self._HASH_SHIFT
         while len(toks) < budget:
-            nxt = self._pair_successor(prev, tok, tables) if prev is not None else None
+            nxt = None
+            if prev is not None:  # `_pair_successor`, inlined: up to a draft's length of lookups every step
+                key = prev * v + tok
+                slot = ((key * mul) & 0xFFFFFFFFFFFFFFFF) >> shift  # `_slot`
+                if keys[slot] == key:
+                    nxt = nexts[slot]
             if nxt is not None:
                 labels.append("recycling:b")
             elif seen[tok]:
