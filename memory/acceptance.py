@@ -115,9 +115,32 @@ class AcceptanceStats:
         d = depth - 1
         if d >= self.max_depth or rank >= self.max_rank:
             return
-        self.rate[d, rank] = self._ema(float(hit), self.rate[d, rank], self.count[d, rank])
-        self.count[d, rank] += 1
+        rate, count, width = self._cells()
+        i = d * width + rank
+        n = count[i]
+        rate[i] = self._ema(float(hit), rate[i], n)
+        count[i] = n + 1.0
         self._table = None
+
+    def _cells(self) -> tuple:
+        """(rate, count, row width): flat memoryviews of the two tables, whose indexing gives and takes Python
+        floats. A drafter's statistics are updated every decode step, right after an ONNX Runtime call, when each
+        numpy scalar read or write costs a microsecond or more. Rebuilt when a table has been replaced; never
+        copied with the statistics (`__getstate__`)."""
+        m = self.__dict__.get("_views")
+        if m is None or m[0] is not self.rate or m[1] is not self.count:
+            for name in ("rate", "count"):  # (only a table set from outside can be another layout)
+                a = getattr(self, name)
+                if a.dtype != np.float64 or not a.flags.c_contiguous:
+                    setattr(self, name, np.ascontiguousarray(a, np.float64))
+            m = self._views = (self.rate, self.count, memoryview(self.rate).cast("B").cast("d"),
+                               memoryview(self.count).cast("B").cast("d"), self.rate.shape[1])
+        return m[2:]
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state.pop("_views", None)  # memoryviews cannot be copied; the copy makes its own on first use
+        return state
 
     def update(self, drafted: int, accepted: int) -> None:
         """One chain step: `drafted` tokens verified, the first `accepted` of them accepted. Depths past the first
@@ -319,13 +342,16 @@ class TokenAcceptance:
         after it were never tested."""
         if not 0 <= accepted <= len(labels):
             raise ValueError(f"accepted must be in [0, {len(labels)}] (got {accepted})")
-        for j in range(min(accepted + 1, len(labels))):
+        rate, count, hits, beta, weight = self.rate, self.count, self.hits, self.beta, self.prior_weight
+        for j in range(min(accepted + 1, len(labels))):  # (runs every decode step: `_rate` inlined)
             x = labels[j]
-            old, n = self._rate(x), self.count.get(x, 0.0)
-            w = max(self.beta, 1.0 / (n + self.prior_weight))
-            self.rate[x] = old + w * (float(j < accepted) - old)
-            self.count[x] = n + 1
-            self.hits[x] = self.hits.get(x, 0.0) + float(j < accepted)
+            old = rate[x] if x in rate else self._prior(x)
+            n = count.get(x, 0.0)
+            w = max(beta, 1.0 / (n + weight))
+            hit = float(j < accepted)
+            rate[x] = old + w * (hit - old)
+            count[x] = n + 1
+            hits[x] = hits.get(x, 0.0) + hit
 
     def tested(self) -> dict[str, tuple[float, float]]:
         """Per label: (accepted, tested) drafted tokens over the whole life."""
