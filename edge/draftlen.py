@@ -94,14 +94,23 @@ class DraftLength:
     def verify_ms(self, s: int) -> float:
         """Mean call time at width s measured at about this context, else the reference curve at this context
         (`reference_curve`) scaled to the narrowest call measured at about this context (else as it is)."""
+        return self.verify_prices(s, s)[s]
+
+    def verify_prices(self, lo: int, hi: int) -> list[float | None]:
+        """`verify_ms(s)` at index s for every width s in [lo, hi] (None below lo), in one pass: a step prices a
+        dozen widths or more, and the reference curve is read once for all it has not timed."""
         calls = self.call_ms
-        if s in calls:
-            return calls[s]
-        ref = self._reference_ms()
-        if calls:
-            w = min(calls)
-            return calls[w] * ref[s] / ref[w]
-        return ref[s]
+        prices: list[float | None] = [None] * lo
+        ref = None
+        for s in range(lo, hi + 1):
+            if s in calls:
+                prices.append(calls[s])
+                continue
+            if ref is None:
+                ref = self._reference_ms()
+                w = min(calls) if calls else None
+            prices.append(ref[s] if w is None else calls[w] * ref[s] / ref[w])
+        return prices
 
     def _reference_ms(self) -> _Memo:
         """`reference_curve()` by width, each width evaluated once per curve (a curve never changes once made, and
@@ -173,16 +182,20 @@ class DraftLength:
         if budget <= 0:
             return Draft.empty()
         cands = [c for c in drafter.chains(budget) if len(c)]
+        if not cands:
+            return Draft.empty()
         best, best_rate = None, 0.0
-        verify_ms = _Memo(self.verify_ms).__getitem__  # call widths priced once per step, whatever the candidates
+        # every width a cut is priced at, once per step: from the narrowest call to one past the longest candidate
+        mc = self.min_call
+        prices = self.verify_prices(max(1, mc), max(max(map(len, cands)) + 1, mc)).__getitem__
         labelled, chosen = [], None
         for i, c in enumerate(cands):
             labels = token_labels(c, kind, cands[:i] + cands[i + 1 :])
             labelled.append(Draft.chain(c.ids, None, c.source, labels))
-            k, rate = best_prefix(self.token_acceptance.probs(labels), verify_ms, self.min_call)
+            k, rate = best_prefix(self.token_acceptance.probs(labels), prices, mc)
             if k and rate > best_rate:
                 best, best_rate, chosen = labelled[-1].head(k), rate, i
-        if best is None and labelled:
+        if best is None:
             k = self.probe(labelled[0].source or kind, len(labelled[0]))
             best, chosen = (labelled[0].head(k), 0) if k else (None, None)
         self._unverified = [c for i, c in enumerate(labelled) if i != chosen]
