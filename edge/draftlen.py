@@ -40,14 +40,21 @@ def token_labels(d: Draft, kind: str, others: Sequence[Draft] = ()) -> tuple[str
     common = 0  # longest prefix any other candidate shares with this one
     for o in others:
         ot, n = o.ids, 0
-        while n < min(len(ot), len(toks)) and ot[n] == toks[n]:
+        m = min(len(ot), len(toks))
+        while n < m and ot[n] == toks[n]:
             n += 1
         common = max(common, n)
 
-    def agreement(j: int) -> str:
-        return "" if not others else "/agree" if j < common else "/parted" if common else "/split"
-
-    return tuple(f"{b}@{'1' if j == 0 else '2+'}{agreement(j)}" for j, b in enumerate(base))
+    # the suffixes by position, built a run at a time (every step labels every candidate's tokens)
+    n = len(base)
+    if not others:
+        tails = ["@1"] + ["@2+"] * (n - 1)
+    elif common:
+        agree = min(common, n)
+        tails = ["@1/agree"] + ["@2+/agree"] * (agree - 1) + ["@2+/parted"] * (n - agree)
+    else:
+        tails = ["@1/split"] + ["@2+/split"] * (n - 1)
+    return tuple(map(str.__add__, base, tails))
 
 
 class _Memo(dict):

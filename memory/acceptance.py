@@ -335,7 +335,8 @@ class TokenAcceptance:
 
     def probs(self, labels: Sequence[str]) -> list[float]:
         """[N] conditional acceptance of each token given all before it were accepted."""
-        return [self._rate(x) for x in labels]
+        rate, prior = self.rate, self._prior  # (runs every decode step: `_rate` inlined)
+        return [rate[x] if x in rate else prior(x) for x in labels]
 
     def update(self, labels: Sequence[str], accepted: int) -> None:
         """One verified chain: the first `accepted` tokens were accepted, the next one (if any) rejected; tokens
