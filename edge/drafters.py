@@ -225,9 +225,11 @@ class LookupDrafter:
         one found by a 4-gram, so it earns its own acceptance rate and longer drafts."""
         if n < self.max_ngram:
             return n
-        h, end, m = self.history, len(self.history), n
-        while m < LONG_MATCH[-1] and pos - 1 - m >= 0 and h[pos - 1 - m] == h[end - 1 - m]:
-            m += 1
+        h, m = self.history, n
+        i, j = pos - 1 - m, len(h) - 1 - m  # the next pair of tokens to compare, walking back
+        longest = min(LONG_MATCH[-1], pos)  # (the earlier occurrence cannot match past the history's start)
+        while m < longest and h[i] == h[j]:
+            m, i, j = m + 1, i - 1, j - 1
         return max([n] + [b for b in LONG_MATCH if b <= m])  # never below the n-gram that matched
 
     def accept(self, tokens) -> None:
