@@ -148,8 +148,17 @@ class AcceptanceStats:
         if not 0 <= accepted <= drafted:
             raise ValueError(f"accepted must be in [0, drafted] (got {accepted} of {drafted})")
         self._observe_rate(drafted > 0)
-        for depth in range(1, min(accepted + 1, drafted) + 1):
-            self._observe(depth, 0, depth <= accepted)
+        # `_observe` at rank 0 of each depth tested, the tables read once
+        depths = min(accepted + 1, drafted, self.max_depth)
+        if depths <= 0 or self.max_rank <= 0:
+            return
+        rate, count, width = self._cells()
+        for d in range(depths):
+            i = d * width  # rank 0
+            n = count[i]
+            rate[i] = self._ema(float(d < accepted), rate[i], n)
+            count[i] = n + 1.0
+        self._table = None
 
     def update_tree(self, offered: Sequence[int], accepted_ranks: Sequence[int]) -> None:
         """One tree step. offered[i]: how many candidates (ranks 0..offered[i]-1) the tree held at depth i+1 under
