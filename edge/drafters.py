@@ -195,12 +195,11 @@ class LookupDrafter:
         self._extend(context[n:])
 
     def _extend(self, tokens) -> None:
-        h = self.history
+        h, index, lo, hi = self.history, self.index, self.min_ngram, self.max_ngram
         for t in tokens:
             i = len(h)
-            for n in range(self.min_ngram, self.max_ngram + 1):
-                if i >= n:
-                    self.index[tuple(h[i - n : i])] = i  # that n-gram was followed by position i
+            for n in range(lo, min(hi, i) + 1):
+                index[tuple(h[i - n : i])] = i  # that n-gram was followed by position i
             h.append(int(t))
         if len(h) > self.max_history:  # bounded memory: keep the recent half
             keep = h[-self.max_history // 2 :]
