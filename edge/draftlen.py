@@ -107,17 +107,14 @@ class DraftLength:
         """`verify_ms(s)` at index s for every width s in [lo, hi] (None below lo), in one pass: a step prices a
         dozen widths or more, and the reference curve is read once for all it has not timed."""
         calls = self.call_ms
-        prices: list[float | None] = [None] * lo
-        ref = None
-        for s in range(lo, hi + 1):
-            if s in calls:
-                prices.append(calls[s])
-                continue
-            if ref is None:
-                ref = self._reference_ms()
-                w = min(calls) if calls else None
-            prices.append(ref[s] if w is None else calls[w] * ref[s] / ref[w])
-        return prices
+        widths = range(lo, hi + 1)
+        timed = [calls.get(s) for s in widths]
+        if None in timed:
+            ref = self._reference_ms()
+            w = min(calls) if calls else None
+            timed = [t if t is not None else ref[s] if w is None else calls[w] * ref[s] / ref[w]
+                     for s, t in zip(widths, timed)]
+        return [None] * lo + timed
 
     def _reference_ms(self) -> _Memo:
         """`reference_curve()` by width, each width evaluated once per curve (a curve never changes once made, and
