@@ -97,7 +97,8 @@ def write_compact_tables(tokenizer_json: Path, cfg: dict) -> bool:
     from edge.bpe import load_beside, tables_path, write_tables
 
     out = tables_path(tokenizer_json)
-    out.unlink(missing_ok=True)
+    if out.exists():  # tables of an earlier tokenizer.json
+        out.unlink()
     if not write_tables(cfg, tokenizer_json, out):
         return False
     compact, lib = load_beside(tokenizer_json), Tokenizer.from_file(str(tokenizer_json))
