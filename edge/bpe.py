@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-import hashlib
 import heapq
 import json
 import re
@@ -32,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from memory.footprint import TOKENIZER_TABLES as TABLES_NAME  # the footprint model counts the file by this name
+
+from .manifest import sha256_file
 
 SPACE = "\u2581"
 TABLES_FORMAT = 1
@@ -47,10 +48,6 @@ class AddedToken:
 class Encoding:
     ids: list[int]
     offsets: list[tuple[int, int]]
-
-
-def file_digest(path: str | Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def tables_for(cfg: dict) -> dict | None:
@@ -115,7 +112,7 @@ def write_tables(cfg: dict, source: Path, out: Path) -> bool:
     t = tables_for(cfg)
     if t is None:
         return False
-    t["source"] = np.frombuffer(file_digest(source).encode(), np.uint8)
+    t["source"] = np.frombuffer(sha256_file(source).encode(), np.uint8)
     with open(out, "wb") as f:
         np.savez(f, **t)
     return True
@@ -137,7 +134,7 @@ def load_beside(tokenizer_json: str | Path) -> CompactBpe | None:
         source = arrays.pop("source").tobytes().decode()
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
         return None  # unreadable: the library reads tokenizer.json itself
-    if header.get("format") != TABLES_FORMAT or source != file_digest(tokenizer_json):
+    if header.get("format") != TABLES_FORMAT or source != sha256_file(tokenizer_json):
         return None
     return CompactBpe(header, arrays)
 

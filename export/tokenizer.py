@@ -129,7 +129,7 @@ def _check_texts(tok) -> list[str]:
 
     added = [t.content for t in tok.get_added_tokens_decoder().values()]
     mixed = "Grüße, 世界! naïve café — ∑ x² 😀 \t\r\n  spaced   out\u00a0end"
-    return ([p if isinstance(p, str) else json.dumps(p) for p in PROMPTS] + list(PARITY_TEXTS) + [mixed]
+    return (list(PROMPTS) + list(PARITY_TEXTS) + [mixed]
             + ["".join(f"a{t} {t}b" for t in added[k:k + 64]) for k in range(0, len(added), 64)])
 
 
