@@ -34,6 +34,7 @@ from .errors import BudgetError, EngineError, ModelOutputError, as_engine_error
 from .manifest import (VERIFY_LEVELS, ModelDirError, check_drafter, load_manifest, reexport_command,
                        require_drafter_graph)
 from .output import AnswerText, Chunk
+from .pages import release as release_pages
 from .runner import HEAD_TOPK_MAX, HEAD_TOPK_NUCLEUS, GraphSession, Output, open_session
 from .text import TextCodec
 
@@ -269,6 +270,8 @@ class Engine:
                               f"for at most {t.max_len}, or re-export with a larger --max-len")
         self.context = min(context or DEFAULT_CONTEXT, t.max_len)
         self.target = open_session(str(self.model_dir / t.file), m, t, self.context, threads, providers)
+        # the model file's pages loading mapped (edge.pages): given back now, and after every request
+        release_pages(self.model_dir)
         self.last_stats: Stats | None = None  # the counters of the latest request, once one has run
         self.lookup = LookupDrafter()
         # fed by every speculative target call (not plain decoding); persists across turns. Trees only where the graph
@@ -658,6 +661,7 @@ class Engine:
             # the cache keeps the prompt and the answer but its last token (the next step's root); an interrupted
             # prefill keeps its part
             self._rewind_to(len(ids) + len(answer.ids) - 1 if answer.ids else len(ids))
+            release_pages(self.model_dir)
 
     def _ort_run_s(self) -> float:
         """Seconds spent inside ONNX Runtime so far by the target and the drafter session."""

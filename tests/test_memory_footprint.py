@@ -113,11 +113,11 @@ def touched(ctx: int) -> int:
 
 
 def test_resident_weights_on_the_cpu():
-    """CPU EP: MatMulNBits repacked with a second scale-sized block; the embedding paged in 64 KB fault-around
-    windows around the rows of the distinct tokens seen (Heaps' law: 1000^0.8 ≈ 251 of them)."""
+    """CPU EP: MatMulNBits repacked (bits, scales and zero points once each); the embedding paged in 64 KB
+    fault-around windows around the rows of the distinct tokens seen (Heaps' law: 1000^0.8 ≈ 251 of them)."""
     w = predict_weight_bytes(M.arch, max_len=8192, block_min=False)
-    prepacked = 53_084_160 + 2 * 13_271_040 + 1_658_880 + 28_311_552 + 2 * 3_538_944 + 884_736
-    assert prepacked == 117_559_296
+    prepacked = 53_084_160 + 13_271_040 + 1_658_880 + 28_311_552 + 3_538_944 + 884_736
+    assert prepacked == 100_749_312
     ctx = 1000
     assert w.embedding == 49152 * 576 * 4 == 1728 * 65536  # 1728 windows of 64 KB
     assert 14 * MB < touched(ctx) < 15 * MB  # ≈ 234 windows
@@ -139,7 +139,7 @@ def test_plain_decoding_breakdown_at_1024():
     assert fp["target.arena"] == 80 * 256 * 576 + 8 * 256 * span == 13_895_680
     assert fp["runtime.bias"] == 256 * span * 4
     assert fp["target.session"] == round(16.5 * MB) + (span + 256) * 4 + 256 * 256 * 4
-    assert fp["target.weights"] == 117_559_296 + touched(1024) + 2_097_152 + 140_544 + 17
+    assert fp["target.weights"] == 100_749_312 + touched(1024) + 2_097_152 + 140_544 + 17
     assert fp.total_bytes == sum(b for _, b in fp.parts)
     # the engine holds the lookup history and Token Recycling's tables whatever drafter runs
     assert set(fp.breakdown_mb()) == {"baseline", "tokenizer", "target.weights", "target.session", "target.kv", "target.logits",
@@ -233,7 +233,7 @@ def test_model_drafter_components():
     assert fp["drafter.kv"] == 3072 * (ctx + k + 1 + 1)
     assert fp["drafter.logits"] == 8192 * 4
     assert fp["drafter.id_map"] == 8192 * 8
-    drafter_prepacked = 3_538_944 + 2 * 884_736 + 110_592 + 4_718_592 + 2 * 589_824 + 147_456
+    drafter_prepacked = 3_538_944 + 884_736 + 110_592 + 4_718_592 + 589_824 + 147_456
     assert fp["drafter.weights"] == drafter_prepacked + touched(1024) + 2_097_152 + 5 * 576 * 4 - 5  # other: -5 B
     assert fp["drafter.session"] == round(2.5 * MB) + (ctx + k + 1 + 256) * 4 + 256 * 256 * 4
     # the first drafter is the default graph
