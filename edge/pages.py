@@ -6,11 +6,11 @@ same table's rows of every candidate token. Each first read of a page maps the 6
 fault-around), so over a chat the pages add up: on Gemma 3 270M's 262,144-row table, 80-160 MB of the file after 12
 prompts, more than its KV cache and activations together. Those pages are clean copies of the file: unmapped
 (`madvise(MADV_DONTNEED)`), they leave this process's resident set but stay in the OS page cache, shared and
-reclaimable, and the next read maps them again with a minor fault. The engine gives them back after loading and
-after each request. A mapping holding a page the process wrote (copied on write) is never touched: unmapping it would
-lose the write.
+reclaimable, and the next read maps them again with a minor fault. A mapping holding a page the process wrote
+(copied on write) is never touched: unmapping it would lose the write. The engine gives them back after loading and
+after each request, and trims the C heap then too (`trim_heap`).
 
-Linux only (it reads /proc/self/smaps); elsewhere both functions report nothing and change nothing.
+Linux only (it reads /proc/self/maps and /proc/self/pagemap); elsewhere nothing is reported and nothing changes.
 """
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ import re
 import sys
 
 MADV_DONTNEED = 4
-_SMAPS = "/proc/self/smaps"
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_MAPS, _PAGEMAP = "/proc/self/maps", "/proc/self/pagemap"
 _HEADER = re.compile(r"([0-9a-f]+)-([0-9a-f]+) ")
 _libc = None
 
@@ -35,35 +36,48 @@ def _madvise():
 
 
 def mappings(directory) -> list[tuple[int, int, int, int]]:
-    """(start, end, resident bytes, copied-on-write bytes) of every mapping of a file under `directory`."""
+    """(start, end, resident bytes, copied-on-write bytes) of every mapping of a file under `directory`: the
+    mappings from /proc/self/maps, their pages' state from /proc/self/pagemap (present; a file page, or the process's
+    own copy), which reads only these ranges (measured with Gemma 3 270M's 297 mappings: ~5 ms, where
+    /proc/self/smaps, which walks every mapping of the process, took ~12)."""
     if not sys.platform.startswith("linux"):
         return []
     root = os.path.realpath(directory).rstrip(os.sep) + os.sep
     try:
-        with open(_SMAPS) as f:
-            text = f.read()
-    except OSError:
+        with open(_MAPS) as f:
+            ranges = [(int(m.group(1), 16), int(m.group(2), 16)) for m, parts in
+                      ((_HEADER.match(line), line.split(maxsplit=5)) for line in f)
+                      if m and len(parts) > 5 and parts[5].startswith(root)]
+        if not ranges:
+            return []
+        import numpy as np
+
+        found = []
+        with open(_PAGEMAP, "rb", buffering=0) as pm:
+            for start, end in ranges:
+                pm.seek(start // PAGE * 8)
+                entries = np.frombuffer(pm.read((end - start) // PAGE * 8), np.uint64)
+                present = (entries >> np.uint64(63)) & np.uint64(1) == 1
+                own = present & ((entries >> np.uint64(61)) & np.uint64(1) == 0)  # not a file page: written
+                found.append((start, end, int(present.sum()) * PAGE, int(own.sum()) * PAGE))
+        return found
+    except (OSError, ValueError):
         return []
-    found, cur = [], None
-    for line in text.splitlines():
-        m = _HEADER.match(line)
-        if m:
-            parts = line.split(maxsplit=5)
-            cur = None
-            if len(parts) > 5 and parts[5].startswith(root):
-                cur = [int(m.group(1), 16), int(m.group(2), 16), 0, 0]
-                found.append(cur)
-        elif cur is not None:
-            if line.startswith("Rss:"):
-                cur[2] = int(line.split()[1]) * 1024
-            elif line.startswith("Anonymous:"):
-                cur[3] = int(line.split()[1]) * 1024
-    return [tuple(c) for c in found]
 
 
 def resident_bytes(directory) -> int:
     """Bytes of files under `directory` resident in this process's mappings."""
     return sum(rss for _, _, rss, _ in mappings(directory))
+
+
+def trim_heap() -> bool:
+    """Return the C heap's free pages to the OS (glibc `malloc_trim`; ~0.1 ms): what a request's transient
+    allocations left free between the heap's live blocks. True where it ran (glibc)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def release(directory) -> int:

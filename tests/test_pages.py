@@ -11,8 +11,8 @@ import pytest
 import edge
 from edge.pages import mappings, release, resident_bytes
 
-pytestmark = pytest.mark.skipif(not (sys.platform.startswith("linux") and os.path.exists("/proc/self/smaps")),
-                                reason="reads /proc/self/smaps (Linux)")
+pytestmark = pytest.mark.skipif(not (sys.platform.startswith("linux") and os.path.exists("/proc/self/pagemap")),
+                                reason="reads /proc/self/maps and pagemap (Linux)")
 
 SIZE = 1 << 20
 

@@ -66,3 +66,35 @@ def test_memprobe_main_takes_the_json_from_argv_or_stdin(monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", io.StringIO('{"model_dir": "s", "context": 9, "k": 0}'))
     assert memprobe.main([]) == 0
     assert json.loads(capsys.readouterr().out) == {"got": {"model_dir": "s", "context": 9, "k": 0}}
+
+
+def test_replay_answers_each_prompt_reps_times_in_its_own_engine(tiny_dir, tmp_path, monkeypatch):
+    """A workload replayed as edge-bench feeds it: every item's first turn, `reps` times, grouped by category;
+    a prompt longer than the context is skipped, not fatal; the engine keeps its drafter state across requests."""
+    prompts = tmp_path / "w.jsonl"
+    rows = [{"id": "a", "category": "qa", "turns": ["the quick brown fox", "a second turn, never sent"]},
+            {"id": "b", "category": "code", "turns": ["def add(a, b):"]},
+            {"id": "long", "category": "qa", "turns": ["word " * 400]}]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    asked = []
+    from edge.engine import Engine
+    real = Engine.chat
+
+    def chat(self, *a, **kw):
+        c = real(self, *a, **kw)
+        ask = c.ask
+        c.ask = lambda text, **k: (asked.append(text), ask(text, **k))[1]
+        return c
+
+    monkeypatch.setattr(Engine, "chat", chat)
+    monkeypatch.setattr(memprobe, "peak_rss_bytes", lambda children=False: 300 * 2**20)
+    r = memprobe.replay(str(tiny_dir), str(prompts), context=128, reps=2, max_tokens=4, drafter="hybrid")
+    assert (r["requests"], r["skipped"], r["drafter"]) == (4, 2, "hybrid")
+    assert asked == ["def add(a, b):"] * 2 + ["the quick brown fox"] * 2  # code before qa, as edge-bench orders
+    assert r["peak_rss_mb"] == 300.0
+
+
+def test_memprobe_main_replays_a_prompt_file(monkeypatch, capsys):
+    monkeypatch.setattr(memprobe, "replay", lambda **kw: {"replayed": kw})
+    assert memprobe.main(['{"model_dir": "m", "prompts": "p.jsonl", "reps": 2}']) == 0
+    assert json.loads(capsys.readouterr().out) == {"replayed": {"model_dir": "m", "prompts": "p.jsonl", "reps": 2}}

@@ -1,7 +1,10 @@
 """One memory measurement in a fresh process: `python -m edge.tools.memprobe '{json}'` (or the JSON on stdin) loads a model with a KV cache sized
 to the run, fills it to `context` tokens, decodes with a fixed draft length, and prints one JSON line with its own
 peak RSS (ru_maxrss of this process only, so every point is isolated) next to the footprint model's prediction for
-exactly this run. `edge-profile` runs one of these per (context, K) point."""
+exactly this run. `edge-profile` runs one of these per (context, K) point.
+
+With "prompts" (a JSONL prompt file, as edge-bench reads it) it replays a workload instead (`replay`): what an app
+running one drafter holds over those requests, in a process of its own, as edge-bench measures each peer."""
 from __future__ import annotations
 
 import json
@@ -72,10 +75,43 @@ def measure(model_dir: str, context: int, k: int, drafter: str = "lookup", decod
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def replay(model_dir: str, prompts: str, context: int = 4096, reps: int = 1, max_tokens: int = 128,
+           drafter: str = "auto", threads: int = 2, limit: int = 0) -> dict:
+    """Peak RSS of one process that loads `model_dir` at `context` and answers the first turn of each item of
+    `prompts` `reps` times in a row with `drafter`, in edge-bench's order (by category, up to `limit` items of
+    each; 0: all): raw text on a model without a chat template, else a chat's first turn. The engine is reset
+    between requests and keeps what drafting learned, as edge-bench runs it."""
+    from ..engine import Engine
+    from .bench import _select_items, read_workload
+
+    items = _select_items(read_workload(prompts), prompts, limit, None)
+    t0 = time.perf_counter()
+    engine = Engine(model_dir, drafter=drafter, threads=threads, context=context)
+    after_load, load_peak = rss_bytes(), peak_rss_bytes()
+    raw = engine.manifest.chat_template is None
+    requests = skipped = 0
+    for it in items:
+        for _ in range(reps):
+            engine.reset(keep_drafter_state=True)
+            text = it["turns"][0]
+            if len(engine.encode(text)) >= context:
+                skipped += 1
+                continue
+            if raw:
+                engine.generate(text, raw=True, max_tokens=max_tokens)
+            else:
+                engine.chat().ask(text, max_tokens=max_tokens)
+            requests += 1
+    return {"prompts": prompts, "context": context, "drafter": drafter, "requests": requests, "skipped": skipped,
+            "max_tokens": max_tokens, "rss_after_load_mb": after_load / 2**20, "load_peak_rss_mb": load_peak / 2**20,
+            "rss_end_mb": rss_bytes() / 2**20, "peak_rss_mb": peak_rss_bytes() / 2**20,
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = json.loads(argv[0] if argv else sys.stdin.read())  # stdin: the prompt text can exceed argv limits
-    print(json.dumps(measure(**args)))
+    print(json.dumps(replay(**args) if "prompts" in args else measure(**args)))
     return 0
 
 
