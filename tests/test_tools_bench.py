@@ -253,6 +253,38 @@ def test_a_prompt_that_does_not_fit_is_rolled_back_in_every_mode(tmp_path, quiet
     assert {st for t, _, _, st in e.calls if t == "p2"} == {("p0",)}  # L taught the drafters nothing
 
 
+def test_each_edgespec_mode_can_be_measured_in_a_process_of_its_own(tmp_path, quiet_rss, monkeypatch):
+    """--rss-own-process replays the same prompts per edgespec mode in a fresh process (memprobe.replay) and
+    reports that process's peak; without it, or where a replay fails, the row says it is the bench process's."""
+    from edge.tools import memprobe
+
+    asked = []
+
+    def fresh(args, timeout=600):
+        asked.append(args)
+        if args["drafter"] == "lookup":
+            raise RuntimeError("EngineError: no room")
+        return {"peak_rss_mb": {"none": 301.04, "hybrid": 333.0}[args["drafter"]]}
+
+    monkeypatch.setattr(memprobe, "in_fresh_process", fresh)
+    e = _Engine()
+    e.model_dir = tmp_path / "model"
+    modes = ["none", "lookup", "hybrid"]
+    rc, doc = _bench(tmp_path, e, _items("p0"), modes, reps=1, rss_own_process=True, limit=2, categories="qa")
+    rows = doc["runtimes"]
+    assert rc == 0 and [a["drafter"] for a in asked] == modes
+    assert asked[0] == dict(model_dir=str(tmp_path / "model"), prompts="p.jsonl", context=64, reps=1, max_tokens=4,
+                            drafter="none", threads=2, limit=2, categories="qa")
+    assert (rows["none"]["peak_rss_mb"], rows["none"]["peak_rss_process"]) == (301.0, "own")
+    assert (rows["hybrid"]["peak_rss_mb"], rows["hybrid"]["peak_rss_process"]) == (333.0, "own")
+    assert (rows["lookup"]["peak_rss_mb"], rows["lookup"]["peak_rss_process"]) == (100.0, "bench")
+    md = (tmp_path / "b.md").read_text()
+    assert "Peak RSS of lookup: this bench process" in md and "none," not in md.split("Peak RSS of")[-1]
+    asked.clear()
+    rc, doc = _bench(tmp_path, e, _items("p0"), modes, reps=1)
+    assert not asked and {r["peak_rss_process"] for r in doc["runtimes"].values()} == {"bench"}
+
+
 def test_the_peak_is_the_largest_of_loading_and_every_runs_own(tmp_path, monkeypatch):
     peaks = iter([500.0] + [100.0] * 100)  # loading peaked at 500 MB, before the runs
     monkeypatch.setattr(bench, "peak_rss_mb", lambda: next(peaks))

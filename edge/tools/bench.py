@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import statistics
+import subprocess
 import sys
 import time
 from functools import partial
@@ -114,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--reference-cache", metavar="FILE",
                     help="where the fp32 answers are kept between runs (default: "
                          "$EDGESPEC_HOME/reference/<folder name>-<hash of its path>.json)")
+    ap.add_argument("--rss-own-process", action="store_true",
+                    help="after the timed runs, replay the prompts once more per edgespec mode, greedy, each in a "
+                         "fresh process of its own (python -m edge.tools.memprobe), and report that process's peak "
+                         "RSS, as each peer's is its worker's (default: edgespec's modes share this process, whose "
+                         "peak also holds every mode's state and any drafter session)")
     ap.add_argument("--out", default="bench-out/edge-bench.json", help="JSON output (default bench-out/edge-bench.json)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     add_version(ap)
@@ -809,6 +815,10 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
             names[x] = f"{p['runtime']}{' ' + p['label'] if p['label'] else ''} · " + (
                 "n-gram" if peer_reference(x) else "greedy")
     per_runtime = runtimes(runs, modes, load_peaks, names)
+    for x, row in per_runtime.items():
+        row["peak_rss_process"] = "worker" if x in peers else "bench"
+    if getattr(a, "rss_own_process", False) and not (interrupted or failed):
+        _own_process_peaks(a, engine, per_runtime)
     legacy = [p for p in peer_info or [] if p["name"] == "genai"]  # one unlabeled onnxruntime-genai folder
     doc = {"summary": summary, "modes": modes, "reps": a.reps, "max_tokens": a.max_tokens,
            "model": m.name, "precision": m.target.precision, "threads": a.threads,
@@ -829,6 +839,10 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
                                 sorted(learned.items())},
            "per_prompt": per_prompt(runs, uncompared), "runs": runs}
     md = markdown(summary, modes, vs_peer) + "\n\n" + runtimes_markdown(per_runtime, engine.context)
+    shared = [x for x, row in per_runtime.items() if row["peak_rss_process"] == "bench"]
+    if shared:
+        md += ("\n\nPeak RSS of " + ", ".join(shared) + ": this bench process, which ran every edgespec mode (and "
+               "any drafter session); --rss-own-process measures each mode in a process of its own.")
     if completes_raw(engine):
         md += "\n\nPrompts completed as raw text (the model has no chat template), BOS as its tokenizer adds it."
     if reference_info:
@@ -857,6 +871,31 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
                       "peak_rss_mb": doc["peak_rss_mb"]}, indent=1))
     print(md)
     return 130 if interrupted else 1 if failed else 0
+
+
+def _own_process_peaks(a, engine, per_runtime: dict) -> None:
+    """--rss-own-process: each edgespec mode's peak RSS from a replay of the same prompts in a fresh process
+    (`edge.tools.memprobe.replay`); a replay that fails or is interrupted leaves that mode's bench-process peak."""
+    from .memprobe import in_fresh_process
+
+    for x, row in per_runtime.items():
+        if row["peak_rss_process"] != "bench":
+            continue
+        if not a.quiet:
+            print(f"edge-bench: peak RSS of {x} in a process of its own ...", file=sys.stderr)
+        args = dict(model_dir=str(engine.model_dir), prompts=str(a.prompts), context=engine.context, reps=a.reps,
+                    max_tokens=a.max_tokens, drafter=x, threads=a.threads, limit=getattr(a, "limit", 0),
+                    categories=getattr(a, "categories", None))
+        try:
+            r = in_fresh_process(args, timeout=3600)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            print(f"edge-bench: peak RSS of {x} in its own process not measured: {str(e).splitlines()[0]}",
+                  file=sys.stderr)
+            continue
+        except KeyboardInterrupt:
+            print("edge-bench: interrupted; the remaining modes keep this process's peak", file=sys.stderr)
+            return
+        row["peak_rss_mb"], row["peak_rss_process"] = round(r["peak_rss_mb"], 1), "own"
 
 
 def _outputs(path: str) -> tuple[Path, Path]:

@@ -8,8 +8,11 @@ running one drafter holds over those requests, in a process of its own, as edge-
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 from ..measure import peak_rss_bytes, rss_bytes
 
@@ -76,15 +79,16 @@ def measure(model_dir: str, context: int, k: int, drafter: str = "lookup", decod
 
 
 def replay(model_dir: str, prompts: str, context: int = 4096, reps: int = 1, max_tokens: int = 128,
-           drafter: str = "auto", threads: int = 2, limit: int = 0) -> dict:
+           drafter: str = "auto", threads: int = 2, limit: int = 0, categories: str | None = None) -> dict:
     """Peak RSS of one process that loads `model_dir` at `context` and answers the first turn of each item of
-    `prompts` `reps` times in a row with `drafter`, in edge-bench's order (by category, up to `limit` items of
-    each; 0: all): raw text on a model without a chat template, else a chat's first turn. The engine is reset
-    between requests and keeps what drafting learned, as edge-bench runs it."""
+    `prompts` `reps` times in a row with `drafter`, greedy, in edge-bench's order (by category, up to `limit` items
+    of each, 0: all; only `categories`, comma-separated, if given): raw text on a model without a chat template,
+    else a chat's first turn. The engine is reset between requests and keeps what drafting learned, as edge-bench
+    runs it."""
     from ..engine import Engine
     from .bench import _select_items, read_workload
 
-    items = _select_items(read_workload(prompts), prompts, limit, None)
+    items = _select_items(read_workload(prompts), prompts, limit, categories)
     t0 = time.perf_counter()
     engine = Engine(model_dir, drafter=drafter, threads=threads, context=context)
     after_load, load_peak = rss_bytes(), peak_rss_bytes()
@@ -106,6 +110,18 @@ def replay(model_dir: str, prompts: str, context: int = 4096, reps: int = 1, max
             "max_tokens": max_tokens, "rss_after_load_mb": after_load / 2**20, "load_peak_rss_mb": load_peak / 2**20,
             "rss_end_mb": rss_bytes() / 2**20, "peak_rss_mb": peak_rss_bytes() / 2**20,
             "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def in_fresh_process(args: dict, timeout: float = 600) -> dict:
+    """`measure(**args)` (or `replay`, with "prompts") in a new Python process → its JSON; RuntimeError with the
+    probe's last error line when it fails."""
+    r = subprocess.run([sys.executable, "-m", "edge.tools.memprobe"], input=json.dumps(args), capture_output=True,
+                       text=True, timeout=timeout,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]  # its error leads the message
+        raise RuntimeError(f"{last}\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None) -> int:

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from .bench import add_workload_args, read_workload
+from .memprobe import in_fresh_process
 from ..args import add_version, int_at_least, non_negative_int, positive_float, positive_int
 from ..drafters import DRAFTER_KINDS
 from ..engine import MAX_DRAFT_LEN
@@ -320,12 +321,10 @@ def memory_point(model_dir, context: int, k: int, drafter: str, threads: int, te
     """One `edge.tools.memprobe` run in a fresh process → its JSON (measured peak RSS and the model's prediction)."""
     args = dict(model_dir=str(model_dir), context=context, k=k, drafter=drafter, threads=threads, text=text,
                 calibration=calibration)
-    r = subprocess.run([sys.executable, "-m", "edge.tools.memprobe"], input=json.dumps(args), capture_output=True,
-                       text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]  # its error leads the message
-        raise RuntimeError(f"memory probe at context {context}, K={k} failed: {last}\n{r.stderr[-2000:]}")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    try:
+        return in_fresh_process(args, timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"memory probe at context {context}, K={k} failed: {e}") from None
 
 
 def fit_baseline(points: list[dict], base_mb: float) -> float:
