@@ -10,7 +10,7 @@ reclaimable, and the next read maps them again with a minor fault. A mapping hol
 (copied on write) is never touched: unmapping it would lose the write. The engine gives them back after loading and
 after each request, and trims the C heap then too (`trim_heap`).
 
-Linux only (it reads /proc/self/maps and /proc/self/pagemap); elsewhere nothing is reported and nothing changes.
+Linux and Android only (/proc/self/maps and /proc/self/pagemap); elsewhere nothing is reported and nothing changes.
 """
 from __future__ import annotations
 
@@ -26,21 +26,26 @@ _HEADER = re.compile(r"([0-9a-f]+)-([0-9a-f]+) ")
 _libc = None
 
 
-def _madvise():
+def _supported() -> bool:
+    return sys.platform.startswith(("linux", "android"))
+
+
+def _c():
+    """The C library, loaded once (Linux and Android only)."""
     global _libc
     if _libc is None:
         _libc = ctypes.CDLL(None, use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc.madvise.restype = ctypes.c_int
-    return _libc.madvise
+    return _libc
 
 
 def mappings(directory) -> list[tuple[int, int, int, int]]:
     """(start, end, resident bytes, copied-on-write bytes) of every mapping of a file under `directory`: the
     mappings from /proc/self/maps, their pages' state from /proc/self/pagemap (present; a file page, or the process's
-    own copy), which reads only these ranges (measured with Gemma 3 270M's 297 mappings: ~5 ms, where
-    /proc/self/smaps, which walks every mapping of the process, took ~12)."""
-    if not sys.platform.startswith("linux"):
+    own copy, resident or swapped out), which reads only these ranges (on the 2-core Zen 5 VM with Gemma 3 270M's
+    297 mappings: ~5 ms, where /proc/self/smaps, which walks every mapping of the process, took ~12)."""
+    if not _supported():
         return []
     root = os.path.realpath(directory).rstrip(os.sep) + os.sep
     try:
@@ -56,13 +61,22 @@ def mappings(directory) -> list[tuple[int, int, int, int]]:
         with open(_PAGEMAP, "rb", buffering=0) as pm:
             for start, end in ranges:
                 pm.seek(start // PAGE * 8)
-                entries = np.frombuffer(pm.read((end - start) // PAGE * 8), np.uint64)
-                present = (entries >> np.uint64(63)) & np.uint64(1) == 1
-                own = present & ((entries >> np.uint64(61)) & np.uint64(1) == 0)  # not a file page: written
-                found.append((start, end, int(present.sum()) * PAGE, int(own.sum()) * PAGE))
+                resident, written = page_counts(np.frombuffer(pm.read((end - start) // PAGE * 8), np.uint64))
+                found.append((start, end, resident * PAGE, written * PAGE))
         return found
     except (OSError, ValueError):
         return []
+
+
+def page_counts(entries) -> tuple[int, int]:
+    """(resident pages, pages the process wrote) of a file mapping's /proc/self/pagemap entries [pages] uint64: bit
+    63 present, 62 swapped out, 61 a file page (or shared). A written page of a private file mapping is the process's
+    own anonymous copy: present without bit 61, or swapped out (a file page is dropped, never swapped)."""
+    import numpy as np
+
+    bit = lambda n: (entries >> np.uint64(n)) & np.uint64(1) == 1  # noqa: E731
+    present, swapped, file_page = bit(63), bit(62), bit(61)
+    return int(present.sum()), int((present & ~file_page | swapped).sum())
 
 
 def resident_bytes(directory) -> int:
@@ -71,25 +85,28 @@ def resident_bytes(directory) -> int:
 
 
 def trim_heap() -> bool:
-    """Return the C heap's free pages to the OS (glibc `malloc_trim`; ~0.1 ms): what a request's transient
-    allocations left free between the heap's live blocks. True where it ran (glibc)."""
+    """Return the C heap's free pages to the OS (glibc `malloc_trim`; ~0.1 ms on the 2-core Zen 5 VM): what a
+    request's transient allocations left free between the heap's live blocks. True where it ran (glibc)."""
+    if not _supported():
+        return False
     try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
+        _c().malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
         return False
     return True
 
 
 def release(directory) -> int:
     """Unmap the resident pages of every mapping of a file under `directory` that holds only the file's own content
-    → bytes given back. Never raises: a call the OS refuses leaves that mapping as it was."""
+    (checked just before; nothing in this process writes to its model files' mappings) → bytes given back. Never
+    raises: a call the OS refuses leaves that mapping as it was."""
     released = 0
     for start, end, rss, written in mappings(directory):
         if not rss or written:
             continue
         try:
-            if _madvise()(start, end - start, MADV_DONTNEED) == 0:
+            if _c().madvise(start, end - start, MADV_DONTNEED) == 0:
                 released += rss
-        except (OSError, AttributeError):
+        except (OSError, AttributeError, TypeError):
             return released
     return released

@@ -243,11 +243,8 @@ class Calibration:
     baseline_mb: float = 70.0  # process before any session: Python, numpy, onnxruntime, the tokenizers library
     session_mb: float = 1.5  # per ORT session ...
     session_mb_per_layer: float = 0.5  # ... plus this per decoder layer (kernel objects, prepack bookkeeping)
-    # "prepacked": CPU EP — MatMulNBits weights are repacked into anonymous memory (packed bits and scales); other
-    # initializers stay in the memory-mapped external data file and are paged in as touched. "full": every weight
-    # byte resident (GPU/NPU). The scales counted once: their mapped originals, read while packing, are given back
-    # after load (edge.pages) and not read again (fitted: memprobe on SmolLM2-135M int4, measured / predicted
-    # 0.95-0.96 at 500-3,000 tokens; with the originals resident it was 2 copies)
+    # "prepacked": CPU EP — MatMulNBits weights repacked into anonymous memory, the mapped originals given back at
+    # load (edge.pages); other initializers stay memory-mapped, paged in as touched. "full": all resident (GPU/NPU)
     weights: str = "prepacked"
     prepack_scale_copies: float = 1.0
     # the memory-mapped embedding: the context holds D = coef · n^exp distinct tokens (Heaps' law; fitted to the
@@ -397,7 +394,7 @@ def resident_weight_bytes(w: WeightBytes, calib: Calibration, context: int, resc
     `rescored`: the graph's two-stage head reads its candidates' rows of the embedding table on every call. The
     engine gives the table's pages back after each request (edge.pages; Gemma 3 270M: 5-15 MB of the 194 MB table
     mapped by one 64-token answer), but nothing bounds how much of it one long request maps, so the whole table
-    is counted (a budget is never exceeded; Gemma's prediction is 15-20% above its measured peak)."""
+    is counted (a budget is never exceeded; Gemma's prediction is 16-25% above its measured peak)."""
     if calib.weights == "full":
         return w.total - w.proto
     quant = w.body + w.head

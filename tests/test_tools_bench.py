@@ -264,22 +264,35 @@ def test_each_edgespec_mode_can_be_measured_in_a_process_of_its_own(tmp_path, qu
         asked.append(args)
         if args["drafter"] == "lookup":
             raise RuntimeError("EngineError: no room")
+        if args["drafter"] == "recycling":
+            return {}  # a probe that printed no peak
         return {"peak_rss_mb": {"none": 301.04, "hybrid": 333.0}[args["drafter"]]}
 
     monkeypatch.setattr(memprobe, "in_fresh_process", fresh)
     e = _Engine()
     e.model_dir = tmp_path / "model"
-    modes = ["none", "lookup", "hybrid"]
+    modes = ["none", "lookup", "recycling", "hybrid"]
     rc, doc = _bench(tmp_path, e, _items("p0"), modes, reps=1, rss_own_process=True, limit=2, categories="qa")
     rows = doc["runtimes"]
     assert rc == 0 and [a["drafter"] for a in asked] == modes
     assert asked[0] == dict(model_dir=str(tmp_path / "model"), prompts="p.jsonl", context=64, reps=1, max_tokens=4,
-                            drafter="none", threads=2, limit=2, categories="qa")
+                            drafter="none", threads=2, limit=2, categories="qa", draft_len=None)
+    assert rows["recycling"]["peak_rss_process"] == "bench"
     assert (rows["none"]["peak_rss_mb"], rows["none"]["peak_rss_process"]) == (301.0, "own")
     assert (rows["hybrid"]["peak_rss_mb"], rows["hybrid"]["peak_rss_process"]) == (333.0, "own")
     assert (rows["lookup"]["peak_rss_mb"], rows["lookup"]["peak_rss_process"]) == (100.0, "bench")
     md = (tmp_path / "b.md").read_text()
-    assert "Peak RSS of lookup: this bench process" in md and "none," not in md.split("Peak RSS of")[-1]
+    assert "Peak RSS of lookup, recycling: this bench process" in md and "none," not in md.split("Peak RSS of")[-1]
+
+    def interrupted(args, timeout=600):
+        asked.append(args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(memprobe, "in_fresh_process", interrupted)
+    asked.clear()
+    rc, doc = _bench(tmp_path, e, _items("p0"), modes, reps=1, rss_own_process=True)
+    assert rc == 130 and doc["interrupted"] and len(asked) == 1  # Ctrl-C: the results are still written
+    assert {r["peak_rss_process"] for r in doc["runtimes"].values()} == {"bench"}
     asked.clear()
     rc, doc = _bench(tmp_path, e, _items("p0"), modes, reps=1)
     assert not asked and {r["peak_rss_process"] for r in doc["runtimes"].values()} == {"bench"}

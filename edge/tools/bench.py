@@ -116,10 +116,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="where the fp32 answers are kept between runs (default: "
                          "$EDGESPEC_HOME/reference/<folder name>-<hash of its path>.json)")
     ap.add_argument("--rss-own-process", action="store_true",
-                    help="after the timed runs, replay the prompts once more per edgespec mode, greedy, each in a "
-                         "fresh process of its own (python -m edge.tools.memprobe), and report that process's peak "
-                         "RSS, as each peer's is its worker's (default: edgespec's modes share this process, whose "
-                         "peak also holds every mode's state and any drafter session)")
+                    help="after the timed runs, replay the prompts once more per edgespec mode, each in a fresh "
+                         "process of its own (python -m edge.tools.memprobe: first turns, greedy, the same reps, "
+                         "--limit, --categories and --draft-len), and report that process's peak RSS, as each peer's "
+                         "is its worker's (default: edgespec's modes share this process, whose peak also holds every "
+                         "mode's state and any drafter session)")
     ap.add_argument("--out", default="bench-out/edge-bench.json", help="JSON output (default bench-out/edge-bench.json)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     add_version(ap)
@@ -818,7 +819,7 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
     for x, row in per_runtime.items():
         row["peak_rss_process"] = "worker" if x in peers else "bench"
     if getattr(a, "rss_own_process", False) and not (interrupted or failed):
-        _own_process_peaks(a, engine, per_runtime)
+        interrupted = _own_process_peaks(a, engine, per_runtime)
     legacy = [p for p in peer_info or [] if p["name"] == "genai"]  # one unlabeled onnxruntime-genai folder
     doc = {"summary": summary, "modes": modes, "reps": a.reps, "max_tokens": a.max_tokens,
            "model": m.name, "precision": m.target.precision, "threads": a.threads,
@@ -873,9 +874,10 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
     return 130 if interrupted else 1 if failed else 0
 
 
-def _own_process_peaks(a, engine, per_runtime: dict) -> None:
+def _own_process_peaks(a, engine, per_runtime: dict) -> bool:
     """--rss-own-process: each edgespec mode's peak RSS from a replay of the same prompts in a fresh process
-    (`edge.tools.memprobe.replay`); a replay that fails or is interrupted leaves that mode's bench-process peak."""
+    (`edge.tools.memprobe.replay`); a replay that fails or is interrupted leaves that mode's bench-process peak.
+    True if Ctrl-C stopped the replays."""
     from .memprobe import in_fresh_process
 
     for x, row in per_runtime.items():
@@ -885,17 +887,18 @@ def _own_process_peaks(a, engine, per_runtime: dict) -> None:
             print(f"edge-bench: peak RSS of {x} in a process of its own ...", file=sys.stderr)
         args = dict(model_dir=str(engine.model_dir), prompts=str(a.prompts), context=engine.context, reps=a.reps,
                     max_tokens=a.max_tokens, drafter=x, threads=a.threads, limit=getattr(a, "limit", 0),
-                    categories=getattr(a, "categories", None))
+                    categories=getattr(a, "categories", None), draft_len=a.draft_len)
         try:
-            r = in_fresh_process(args, timeout=3600)
-        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            print(f"edge-bench: peak RSS of {x} in its own process not measured: {str(e).splitlines()[0]}",
-                  file=sys.stderr)
+            peak = round(float(in_fresh_process(args, timeout=3600)["peak_rss_mb"]), 1)
+        except (RuntimeError, OSError, subprocess.SubprocessError, ValueError, LookupError, TypeError) as e:
+            print(f"edge-bench: peak RSS of {x} in its own process not measured: "
+                  f"{(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
             continue
         except KeyboardInterrupt:
             print("edge-bench: interrupted; the remaining modes keep this process's peak", file=sys.stderr)
-            return
-        row["peak_rss_mb"], row["peak_rss_process"] = round(r["peak_rss_mb"], 1), "own"
+            return True
+        row["peak_rss_mb"], row["peak_rss_process"] = peak, "own"
+    return False
 
 
 def _outputs(path: str) -> tuple[Path, Path]:

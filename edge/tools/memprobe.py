@@ -79,12 +79,13 @@ def measure(model_dir: str, context: int, k: int, drafter: str = "lookup", decod
 
 
 def replay(model_dir: str, prompts: str, context: int = 4096, reps: int = 1, max_tokens: int = 128,
-           drafter: str = "auto", threads: int = 2, limit: int = 0, categories: str | None = None) -> dict:
+           drafter: str = "auto", threads: int = 2, limit: int = 0, categories: str | None = None,
+           draft_len: int | None = None) -> dict:
     """Peak RSS of one process that loads `model_dir` at `context` and answers the first turn of each item of
     `prompts` `reps` times in a row with `drafter`, greedy, in edge-bench's order (by category, up to `limit` items
     of each, 0: all; only `categories`, comma-separated, if given): raw text on a model without a chat template,
-    else a chat's first turn. The engine is reset between requests and keeps what drafting learned, as edge-bench
-    runs it."""
+    else a chat's first turn; `draft_len`: a fixed draft length (None: the adaptive one). The engine is reset between
+    requests and keeps what drafting learned, as edge-bench runs it."""
     from ..engine import Engine
     from .bench import _select_items, read_workload
 
@@ -102,9 +103,9 @@ def replay(model_dir: str, prompts: str, context: int = 4096, reps: int = 1, max
                 skipped += 1
                 continue
             if raw:
-                engine.generate(text, raw=True, max_tokens=max_tokens)
+                engine.generate(text, raw=True, max_tokens=max_tokens, draft_len=draft_len)
             else:
-                engine.chat().ask(text, max_tokens=max_tokens)
+                engine.chat().ask(text, max_tokens=max_tokens, draft_len=draft_len)
             requests += 1
     return {"prompts": prompts, "context": context, "drafter": drafter, "requests": requests, "skipped": skipped,
             "max_tokens": max_tokens, "rss_after_load_mb": after_load / 2**20, "load_peak_rss_mb": load_peak / 2**20,
