@@ -34,7 +34,7 @@ from .errors import BudgetError, EngineError, ModelOutputError, as_engine_error
 from .manifest import (VERIFY_LEVELS, ModelDirError, check_drafter, load_manifest, reexport_command,
                        require_drafter_graph)
 from .output import AnswerText, Chunk
-from .pages import release as release_pages, trim_heap
+from .pages import release as release_pages
 from .runner import HEAD_TOPK_MAX, HEAD_TOPK_NUCLEUS, GraphSession, Output, open_session
 from .text import TextCodec
 
@@ -661,8 +661,7 @@ class Engine:
             # the cache keeps the prompt and the answer but its last token (the next step's root); an interrupted
             # prefill keeps its part
             self._rewind_to(len(ids) + len(answer.ids) - 1 if answer.ids else len(ids))
-            release_pages(self.model_dir)  # what this request mapped of the model file, and left free on the heap
-            trim_heap()
+            release_pages(self.model_dir)  # what this request mapped of the model file
 
     def _ort_run_s(self) -> float:
         """Seconds spent inside ONNX Runtime so far by the target and the drafter session."""

@@ -8,7 +8,7 @@ prompts, more than its KV cache and activations together. Those pages are clean 
 (`madvise(MADV_DONTNEED)`), they leave this process's resident set but stay in the OS page cache, shared and
 reclaimable, and the next read maps them again with a minor fault. A mapping holding a page the process wrote
 (copied on write) is never touched: unmapping it would lose the write. The engine gives them back after loading and
-after each request, and trims the C heap then too (`trim_heap`).
+after each request.
 
 Linux and Android only (/proc/self/maps and /proc/self/pagemap); elsewhere nothing is reported and nothing changes.
 """
@@ -82,18 +82,6 @@ def page_counts(entries) -> tuple[int, int]:
 def resident_bytes(directory) -> int:
     """Bytes of files under `directory` resident in this process's mappings."""
     return sum(rss for _, _, rss, _ in mappings(directory))
-
-
-def trim_heap() -> bool:
-    """Return the C heap's free pages to the OS (glibc `malloc_trim`; ~0.1 ms on the 2-core Zen 5 VM): what a
-    request's transient allocations left free between the heap's live blocks. True where it ran (glibc)."""
-    if not _supported():
-        return False
-    try:
-        _c().malloc_trim(0)
-    except (OSError, AttributeError, TypeError):
-        return False
-    return True
 
 
 def release(directory) -> int:
