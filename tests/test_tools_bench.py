@@ -207,7 +207,8 @@ class _Engine:
 def _args(**kw):
     return argparse.Namespace(**{**dict(reps=2, cold=False, quiet=True, max_tokens=4, second_turn=None,
                                         draft_len=None, temp=0.0, top_p=1.0, top_k=0, seed=0, prompts="p.jsonl",
-                                        threads=2, peer_model=None), **kw})
+                                        threads=2, peer_model=None, rss_own_process=False, limit=0,
+                                        categories=None), **kw})
 
 
 def _items(*ids):

@@ -818,7 +818,7 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
     per_runtime = runtimes(runs, modes, load_peaks, names)
     for x, row in per_runtime.items():
         row["peak_rss_process"] = "worker" if x in peers else "bench"
-    if getattr(a, "rss_own_process", False) and not (interrupted or failed):
+    if a.rss_own_process and not (interrupted or failed):
         interrupted = _own_process_peaks(a, engine, per_runtime)
     legacy = [p for p in peer_info or [] if p["name"] == "genai"]  # one unlabeled onnxruntime-genai folder
     doc = {"summary": summary, "modes": modes, "reps": a.reps, "max_tokens": a.max_tokens,
@@ -886,8 +886,8 @@ def _own_process_peaks(a, engine, per_runtime: dict) -> bool:
         if not a.quiet:
             print(f"edge-bench: peak RSS of {x} in a process of its own ...", file=sys.stderr)
         args = dict(model_dir=str(engine.model_dir), prompts=str(a.prompts), context=engine.context, reps=a.reps,
-                    max_tokens=a.max_tokens, drafter=x, threads=a.threads, limit=getattr(a, "limit", 0),
-                    categories=getattr(a, "categories", None), draft_len=a.draft_len)
+                    max_tokens=a.max_tokens, drafter=x, threads=a.threads, limit=a.limit,
+                    categories=a.categories, draft_len=a.draft_len)
         try:
             peak = round(float(in_fresh_process(args, timeout=3600)["peak_rss_mb"]), 1)
         except (RuntimeError, OSError, subprocess.SubprocessError, ValueError, LookupError, TypeError) as e:

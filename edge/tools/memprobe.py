@@ -87,21 +87,22 @@ def replay(model_dir: str, prompts: str, context: int = 4096, reps: int = 1, max
     else a chat's first turn; `draft_len`: a fixed draft length (None: the adaptive one). The engine is reset between
     requests and keeps what drafting learned, as edge-bench runs it."""
     from ..engine import Engine
-    from .bench import _select_items, read_workload
+    from .bench import _first_ids, _select_items, completes_raw, read_workload
 
     items = _select_items(read_workload(prompts), prompts, limit, categories)
     t0 = time.perf_counter()
     engine = Engine(model_dir, drafter=drafter, threads=threads, context=context)
     after_load, load_peak = rss_bytes(), peak_rss_bytes()
-    raw = engine.manifest.chat_template is None
+    raw = completes_raw(engine)
     requests = skipped = 0
     for it in items:
+        fits = len(_first_ids(engine, it)) < engine.context  # as edge-bench skips a prompt that does not fit
         for _ in range(reps):
-            engine.reset(keep_drafter_state=True)
-            text = it["turns"][0]
-            if len(engine.encode(text)) >= context:
+            if not fits:
                 skipped += 1
                 continue
+            engine.reset(keep_drafter_state=True)
+            text = it["turns"][0]
             if raw:
                 engine.generate(text, raw=True, max_tokens=max_tokens, draft_len=draft_len)
             else:
