@@ -172,6 +172,26 @@ def test_the_running_request_counts_against_the_queue():
         worker.stop()
 
 
+@pytest.mark.parametrize("engine,outcome", [(ScriptEngine(), "completed"),
+                                            (ScriptEngine(prompt_len=ScriptEngine.context), "invalid"),
+                                            (ScriptEngine(fail=RuntimeError("boom")), "failed")])
+def test_an_outcome_is_counted_before_its_client_hears_the_end(engine, outcome):
+    """/health read the moment an answer ends (done or error) already counts it."""
+    worker = Worker(engine)
+    job = _job()
+    seen = {}
+    emit = job.emit
+
+    def recording(kind, value=None):
+        if kind != "chunk":
+            seen[kind] = worker.status()[outcome]
+        emit(kind, value)
+
+    job.emit = recording
+    assert worker._serve(job) == outcome
+    assert list(seen.values()) == [1]
+
+
 def test_a_prompt_that_fills_the_context_is_refused_as_too_long():
     """A client error, counted as invalid: "rejected" is the full queue's 503."""
     engine = ScriptEngine(prompt_len=ScriptEngine.context)

@@ -599,16 +599,22 @@ class Worker:
                     return
                 job = self.current = self.waiting.popleft()
             try:
-                outcome = self._serve(job)
+                self._serve(job)
             finally:
                 with self._cv:
                     self.current = None
-                    self.counts[outcome] += 1
+
+    def _end(self, job: Job, outcome: str, kind: str, value) -> str:
+        """Count the job's outcome, then emit what ends it: a /health read right after its answer includes it."""
+        with self._cv:
+            self.counts[outcome] += 1
+        job.emit(kind, value)
+        return outcome
 
     def _serve(self, job: Job) -> str:
+        """Run one job: its chunks, then its counted end (`_end`) → its outcome."""
         if job.cancel.is_set():  # the client left while queued, or a shutdown began (its handler still waits)
-            job.emit("error", _shutting_down() if self._stopping else _client_gone())
-            return "cancelled"
+            return self._end(job, "cancelled", "error", _shutting_down() if self._stopping else _client_gone())
         e, req = self.engine, job.request
         try:
             n = len(e.encode(req.prompt, raw=req.raw))
@@ -625,22 +631,20 @@ class Worker:
                         break
             finally:
                 stream.close()  # the engine rolls its cache back to what was emitted
+            outcome = "cancelled" if stopped else "completed"
             if stopped and self._stopping:  # stopped by a shutdown, not by its client: say so
-                job.emit("error", _shutting_down("; the answer was cut short"))
-            else:
-                job.emit("done", e.last_stats)
-            return "cancelled" if stopped else "completed"
+                return self._end(job, outcome, "error", _shutting_down("; the answer was cut short"))
+            return self._end(job, outcome, "done", e.last_stats)
+        # a client error found once queued is "invalid": a bad request, not a full queue
         except ApiError as x:  # refused here (a 400: too long for the context), not a failure of the server
-            job.emit("error", x)
+            return self._end(job, "invalid", "error", x)
         except ModelDirError as x:  # e.g. a drafter this export does not have
-            job.emit("error", ApiError(400, str(x), "edgespec.drafter", "unsupported_drafter"))
+            return self._end(job, "invalid", "error", ApiError(400, str(x), "edgespec.drafter", "unsupported_drafter"))
         except EngineError as x:
-            job.emit("error", ApiError(400, str(x), None, "invalid_request"))
+            return self._end(job, "invalid", "error", ApiError(400, str(x), None, "invalid_request"))
         except Exception as x:  # a bug: answer 500, keep serving
             log.exception("generation failed")
-            job.emit("error", ApiError(500, f"internal error: {type(x).__name__}: {x}"))
-            return "failed"
-        return "invalid"  # a client error found once queued: a bad request, not a full queue
+            return self._end(job, "failed", "error", ApiError(500, f"internal error: {type(x).__name__}: {x}"))
 
 
 # ---------------------------------------------------------------------------------------------- response bodies
