@@ -477,8 +477,8 @@ class Engine:
         chunk = self._prefill_chunk()
         for i in range(n, len(ids), chunk):
             part = ids[i : i + chunk]
-            logits = self.target.forward(part, keep=1)[-1]
-            self._commit(part, None)
+            logits = self.target.forward(part, keep=1, prefill=True)[-1]
+            self.target.cache.append(len(part), part, chunk=self.target.wide_prefill(len(part)))
         return logits.copy()
 
     def _commit(self, tokens: list[int], path: list[int] | None) -> None:

@@ -11,6 +11,11 @@ The cache also owns the ids of its committed tokens (`tokens`), changed in the s
 cannot disagree (an interrupted request leaves both where its last commit put them) and a new prompt re-uses the
 longest prefix the cache holds (`common_prefix`). A commit without ids (timing and probe calls) records -1s, which
 no prompt matches.
+
+A prefill chunk that attended over a dequantized copy of an int8 cache (`append(..., chunk=True)`) computed its
+rows together: each saw the chunk's earlier rows unquantized, so its tokens are re-used whole or not at all.
+`common_prefix` backs off to such a chunk's first token, and a prompt sent again recomputes exactly the chunk it
+computed the first time (the same answer, bit for bit).
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ class KVCache:
         self.capacity = capacity
         self.length = 0
         self.tokens: list[int] = []  # ids of the committed tokens: len(tokens) == length
+        self.in_chunk: list[bool] = []  # per committed token: written by a wide prefill chunk, after its first row
         self._shape = (1, kv_heads, head_dim)
         self.dtype = np.dtype(dtype)
         self.slots = capacity if reserve_all else kv_allocated_slots(1, capacity)
@@ -94,26 +100,31 @@ class KVCache:
         if self.length + s > self.capacity:
             raise CacheFull(f"KV cache full: {self.length} + {s} tokens > capacity {self.capacity}")
 
-    def append(self, n: int, ids=None) -> None:
-        """Commit the first n pending slots, holding tokens `ids` (None: unknown)."""
+    def append(self, n: int, ids=None, chunk: bool = False) -> None:
+        """Commit the first n pending slots, holding tokens `ids` (None: unknown); `chunk`: they were computed
+        together by one wide prefill call, and are re-used only from its first."""
         assert 0 <= n and self.length + n <= self.capacity, (n, self.length)
         assert ids is None or len(ids) == n, (n, len(ids))
         self.tokens += [-1] * n if ids is None else ids
+        self.in_chunk += [False] + [True] * (n - 1) if chunk and n else [False] * n
         self.length += n
 
     def trim(self, n: int) -> None:
         """Drop the last n committed tokens."""
         assert 0 <= n <= self.length, (n, self.length)
         self.length -= n
-        del self.tokens[self.length :]
+        del self.tokens[self.length :], self.in_chunk[self.length :]
 
     def common_prefix(self, ids, limit: int | None = None) -> int:
-        """How many of `ids` (up to `limit`) the cache holds as its first tokens."""
+        """How many of `ids` (up to `limit`) the cache holds as its first tokens and a request can continue from:
+        never the middle of a wide prefill chunk (the class docstring)."""
         have = self.tokens
         lim = min(len(have), len(ids) if limit is None else limit)
         n = 0
         while n < lim and have[n] == ids[n]:
             n += 1
+        while n < len(self.in_chunk) and self.in_chunk[n]:
+            n -= 1
         return n
 
     def keep(self, indices, ids=None) -> None:

@@ -28,8 +28,10 @@ OLDEST_FORMAT = 1  # format 2 adds GraphEntry.arch (a drafter from its own check
 # keep their float minimum; 7: w8a8 weights as uint8 where the host's int8 GEMM saturates, `GraphEntry.w8a8_kernel`;
 # 8: w8a8 activations quantized by one blocked QuantizeLinear per linear (opset 21), 6 nodes instead of 8; 9: an int8
 # KV cache with static per-channel scales, the pad query row only where the host needs it; 10: the two-stage LM head,
-# `GraphEntry.head_rescore`)
-GRAPH_VERSION = 10
+# `GraphEntry.head_rescore`; 11: int8-cache graphs take `dequantize_past`, an attention path for prefill chunks)
+GRAPH_VERSION = 11
+# the bool scalar input of int8-cache graphs that picks the attention path per call (export/graph.py)
+DEQUANTIZE_PAST = "dequantize_past"
 FAST_HASH_BYTES = 16 << 20  # verify="fast" hashes files up to this size
 MANIFEST_NAME = "edge_model.json"
 # what a manifest may hold, checked before anything is sized from it. A real manifest is ~10 KB (mostly the chat

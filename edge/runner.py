@@ -13,11 +13,11 @@ import numpy as np
 
 from kernels.postprocess import GREEDY_K, HEAD_INPUTS
 from kernels.sampling import top_k_ids
-from memory.footprint import MAX_CALL, PREFILL_CHUNK
+from memory.footprint import MAX_CALL, PREFILL_CHUNK, WIDE_PREFILL_MIN
 
 from .errors import EngineError
 from .kv import KVCache, kv_numpy_dtype
-from .manifest import GraphEntry, Manifest, ModelDirError, open_graph
+from .manifest import DEQUANTIZE_PAST, GraphEntry, Manifest, ModelDirError, open_graph
 
 NEG = np.finfo(np.float32).min
 F32_TINY, F32_MAX = float(np.finfo(np.float32).smallest_subnormal), float(np.finfo(np.float32).max)
@@ -79,9 +79,11 @@ class Session(Protocol):
     def call(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True,
              sample: tuple[float, int] | None = None) -> Output: ...
 
-    def forward(self, tokens, positions=None, bias=None, keep: int = 0) -> np.ndarray: ...
+    def forward(self, tokens, positions=None, bias=None, keep: int = 0, prefill: bool = False) -> np.ndarray: ...
 
     def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray: ...
+
+    def wide_prefill(self, s: int) -> bool: ...
 
 
 SMALL_CALL = 64  # calls up to this width (decode, verify) reuse their input buffers and output bindings
@@ -133,6 +135,10 @@ class GraphSession:
         self._head_k = np.array([self.topk], np.int64)
         self._temperature = np.ones(1, np.float32)
         self._sampling = np.zeros((), bool)
+        # int8-cache graphs pick their attention path per call (export/graph.py): the quantized kernel, or, for a
+        # wide prefill chunk, one dequantized copy of the cache (two bool scalars, bound by identity)
+        self._dequantize = (np.zeros((), bool), np.ones((), bool))
+        self.dequantizes = DEQUANTIZE_PAST in {i.name for i in self.sess.get_inputs()}
         self.min_call = 1
         self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.cache.layer(i, j))
                            for i in range(graph.layers) for j in range(2)]  # kept alive: bindings hold pointers
@@ -270,17 +276,21 @@ class GraphSession:
             bias[0, 0, :, t - s :] = np.where(np.tril(np.ones((s, s), bool)), 0, NEG)
         return bias
 
-    def forward(self, tokens, positions=None, bias=None, keep: int = 0) -> np.ndarray:
+    def forward(self, tokens, positions=None, bias=None, keep: int = 0, prefill: bool = False) -> np.ndarray:
         """Logits [R, V] of a call (`call`): R = S, or the `keep` last rows."""
-        return self.call(tokens, positions, bias, keep).logits
+        return self.call(tokens, positions, bias, keep, prefill=prefill).logits
 
     def call(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True,
-             sample: tuple[float, int] | None = None) -> Output:
+             sample: tuple[float, int] | None = None, prefill: bool = False) -> Output:
         """Run S tokens after the committed prefix; their K/V land in slots [length, length+S) uncommitted.
         Returns what the call computed (`Output`, views valid until the next call): logits [R, V] (R = S, or the
         `keep` last rows), or None with logits=False on a graph with on-graph TopK; top_ids [R, topk]; with
         `sample` = (temperature, k) on a graph with the head, top_ids and top_probs [R, k] are the k best tokens
-        and their probabilities at that temperature."""
+        and their probabilities at that temperature.
+
+        `prefill`: a prompt chunk, which plain and speculative decoding run alike (never a call speculation
+        verifies). On an int8-cache graph a chunk of at least WIDE_PREFILL_MIN rows then attends over one
+        dequantized copy of the cache: faster, the same codes written, but its rows' results depend on the chunk."""
         # a list of ids stays a list until it is written into its call-width buffer (one numpy call, not two)
         ids = tokens if isinstance(tokens, list) else np.asarray(tokens, np.int64).reshape(-1)
         s = len(ids)
@@ -337,6 +347,8 @@ class GraphSession:
             if self.head:
                 self._head_k[0], self._temperature[0], self._sampling[()] = scalars[1]
             self._scalars = scalars
+        if self.dequantizes:
+            self._bind(b, DEQUANTIZE_PAST, self._dequantize[prefill and self.wide_prefill(s)])
         small = s <= SMALL_CALL and self._reuse
         last = self._ready.get((s, want)) if small else None
         if last is not None and last[0] == r and last[1] == k:
@@ -397,9 +409,13 @@ class GraphSession:
         last = None
         for i in range(0, len(tokens), chunk):
             part = tokens[i : i + chunk]
-            last = self.forward(part, keep=1)[-1]
-            self.cache.append(len(part), part)
+            last = self.forward(part, keep=1, prefill=True)[-1]
+            self.cache.append(len(part), part, chunk=self.wide_prefill(len(part)))
         return last
+
+    def wide_prefill(self, s: int) -> bool:
+        """Does a prefill chunk of s rows attend over a dequantized copy of the cache (`call`)?"""
+        return self.dequantizes and s >= WIDE_PREFILL_MIN
 
 
 def warn_int8_gemm(path: str, graph: GraphEntry, providers=("CPUExecutionProvider",)) -> bool:
@@ -517,7 +533,7 @@ class OptimumSession:
         return cls(path, graph.layers, a["kv_heads"], a["head_dim"], graph.vocab, capacity, threads, providers,
                    max_len=graph.max_len or None, kv_dtype=dtype, manifest=manifest, graph=graph)
 
-    def forward(self, tokens, positions=None, bias=None, keep: int = 0) -> np.ndarray:
+    def forward(self, tokens, positions=None, bias=None, keep: int = 0, prefill: bool = False) -> np.ndarray:
         return self.call(tokens, positions, bias, keep).logits
 
     def call(self, tokens, positions=None, bias=None, keep: int = 0, logits: bool = True, sample=None) -> Output:
@@ -557,6 +573,9 @@ class OptimumSession:
 
     def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray:
         return GraphSession.prefill(self, tokens, chunk)
+
+    def wide_prefill(self, s: int) -> bool:
+        return False
 
 
 def open_session(path: str, manifest: Manifest, graph: GraphEntry, capacity: int, threads: int = 2,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kernels.postprocess import HEAD_INPUTS, head_feeds
+from edge.manifest import DEQUANTIZE_PAST
 
 NEG = np.finfo(np.float32).min
 
@@ -36,6 +37,8 @@ class GraphRunner:
         self.layers, self.kv_heads, self.head_dim, self.kv_dtype = layers, kv_heads, head_dim, kv_dtype
         names = set(types)
         self._head = head_feeds(1) if set(HEAD_INPUTS) <= names else {}  # logits only: the head's cheapest call
+        if DEQUANTIZE_PAST in names:  # the quantized kernel: what every decode and verify call computes
+            self._head[DEQUANTIZE_PAST] = np.zeros((), bool)
 
     def _feeds(self, ids, pos, bias, past, keep=0):
         f = {"input_ids": np.asarray(ids, np.int64)[None], "position_ids": np.asarray(pos, np.int64)[None],

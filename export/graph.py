@@ -31,6 +31,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from edge.manifest import GRAPH_VERSION  # noqa: F401  (bumped with every change to what this builder writes)
+from edge.manifest import DEQUANTIZE_PAST
 from kernels.postprocess import sampling_head
 from memory.footprint import COARSE_HEAD_BITS, COARSE_HEAD_BLOCK, HEAD_RESCORE, PRECISIONS
 
@@ -358,6 +359,77 @@ def _pad_query_inputs(g: _Builder, biases: list[str]) -> tuple[list[str], str]:
     return padded, positions
 
 
+@contextmanager
+def _branch(g: _Builder):
+    """Nodes made inside this block go to the list it yields (an If branch), not to the graph."""
+    outer, g.nodes = g.nodes, []
+    try:
+        yield g.nodes
+    finally:
+        g.nodes = outer
+
+
+def _call_slots(g: _Builder, positions: str, total: str, c) -> tuple[str, str]:
+    """For the dequantized attention path, computed once per call: the committed length P = T - S' as [1] (S' the
+    call's rows, the pad query's included) and the cache slots the call writes, P .. T-1, as indices
+    [1, kv_heads, S', head_dim] for ScatterElements along the slot axis."""
+    rows = g.node("Gather", [g.node("Shape", [positions], name="call_shape")[0], g.init("const_1", np.array(1, np.int64))],
+                  name="call_rows", axis=0)[0]
+    past = g.node("Sub", [total, rows], name="past_len")[0]
+    past1 = g.node("Reshape", [past, g.init("shape_1", np.array([1], np.int64))], name="past_len1")[0]
+    slots = g.node("Range", [past, total, g.init("const_1", np.array(1, np.int64))], name="call_slots")[0]
+    slots = g.node("Reshape", [slots, g.init("slot_axis", np.array([1, 1, -1, 1], np.int64))], name="call_slots4")[0]
+    rows1 = g.node("Reshape", [rows, g.init("shape_1", np.array([1], np.int64))], name="call_rows1")[0]
+    shape = g.node("Concat", [g.init("kv_lead", np.array([1, c.kv_heads], np.int64)), rows1,
+                              g.init("kv_head_dim", np.array([c.head_dim], np.int64))], name="call_kv_shape", axis=0)[0]
+    return past1, g.node("Expand", [slots, shape], name="call_slot_index")[0]
+
+
+def _attention_either_path(g: _Builder, i: int, gqa_in: list[str], outputs: list[str], attrs: dict,
+                           wide: tuple[str, str]) -> str:
+    """GroupQueryAttention over the int8 cache, by one of two paths the `dequantize_past` input picks per call:
+
+    - false: the quantized kernel. Exact for speculation (a row computes the same in any call), but it reads the
+      cache per query row, so a call of S rows costs ~S single-row calls.
+    - true: the committed slots are dequantized once (codes · scale), the float kernel attends over them, and the
+      call's new K/V are quantized with the same static scales and written into their slots. ~2.5× faster for a
+      256-row prefill chunk, and it writes the same codes; but its rows see the call's own new K/V unquantized, so
+      a row's result depends on the call's width: for prefill only, whose chunks both plain and speculative
+      decoding run alike.
+    """
+    attn_out, ok, ov = outputs
+    past1, index = wide
+    with _branch(g) as quantized:
+        g.node("GroupQueryAttention", gqa_in, domain=MS, name=f"l{i}/attn_q",
+               outputs=[f"l{i}/attn_q/out", f"l{i}/attn_q/key", f"l{i}/attn_q/value"], **attrs)
+    float_attrs = {k: v for k, v in attrs.items() if k not in ("kv_cache_bit_width", "k_quant_type", "v_quant_type")}
+    zero, axis, end = (g.init("zero_i64", np.array([0], np.int64)), g.init("axis_2", np.array([2], np.int64)),
+                       g.init("int_max", np.array([2**62], np.int64)))
+    lo, hi = g.init("int8_lo", np.array(-128, np.float32)), g.init("int8_hi", np.array(127, np.float32))
+    with _branch(g) as dequantized:
+        past, scales = [], gqa_in[12:14]
+        for buf, scale, kind in zip(gqa_in[3:5], scales, ("key", "value")):
+            codes = g.node("Slice", [buf, zero, past1, axis], name=f"l{i}/deq/{kind}_past")[0]
+            x = g.node("Cast", [codes], name=f"l{i}/deq/{kind}_cast", to=TensorProto.FLOAT)[0]
+            past.append(g.node("Mul", [x, scale], name=f"l{i}/deq/{kind}_float")[0])
+        out, fk, fv = g.node("GroupQueryAttention", gqa_in[:3] + past + gqa_in[5:11], domain=MS,
+                             name=f"l{i}/deq/attn", n_out=3, **float_attrs)
+        written = [out]
+        for buf, full, scale, kind in zip(gqa_in[3:5], (fk, fv), scales, ("key", "value")):
+            new = g.node("Slice", [full, past1, end, axis], name=f"l{i}/deq/{kind}_new")[0]
+            q = g.node("Round", [g.node("Div", [new, scale], name=f"l{i}/deq/{kind}_div")[0]], name=f"l{i}/deq/{kind}_round")[0]
+            q = g.node("Cast", [g.node("Clip", [q, lo, hi], name=f"l{i}/deq/{kind}_clip")[0]],
+                       name=f"l{i}/deq/{kind}_codes", to=TensorProto.INT8)[0]
+            written.append(g.node("ScatterElements", [buf, index, q], name=f"l{i}/deq/{kind}_write", axis=2)[0])
+    value_types = (TensorProto.FLOAT, TensorProto.INT8, TensorProto.INT8)
+    branch_graph = lambda nodes, name, outs: helper.make_graph(  # noqa: E731
+        nodes, name, [], [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, value_types)])
+    return g.node("If", [DEQUANTIZE_PAST], outputs=[attn_out, ok, ov], name=f"l{i}/attn",
+                  then_branch=branch_graph(dequantized, f"l{i}_dequantized", written),
+                  else_branch=branch_graph(quantized, f"l{i}_quantized",
+                                           [f"l{i}/attn_q/out", f"l{i}/attn_q/key", f"l{i}/attn_q/value"]))[0]
+
+
 def _qk_norm(g: _Builder, qkv: str, c, L, i: int, eps: float) -> list[str]:
     """Split the packed projection into query, key, value and RMS-normalize every head of the query and key over
     its head_dim (Gemma 3's QK-norm): [1, S, H·D] → [1, S·H, D] → norm → [1, S, H·D]."""
@@ -465,6 +537,10 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
                name="l0/input_norm", axis=-1, epsilon=eps, stash_type=1)[0]
     kv_shape = [1, c.kv_heads, "max_len", c.head_dim]
     kv_type = TensorProto.INT8 if int8_kv else ft
+    wide = None
+    if int8_kv and ft == TensorProto.FLOAT:
+        inputs.append(helper.make_tensor_value_info(DEQUANTIZE_PAST, TensorProto.BOOL, []))
+        wide = _call_slots(g, positions, t64, c)
     for i in range(n_layers):
         L = lambda n: w[f"model.layers.{i}.{n}"]  # noqa: E731
         qkv_w = np.concatenate([L("self_attn.q_proj.weight"), L("self_attn.k_proj.weight"), L("self_attn.v_proj.weight")])
@@ -493,10 +569,13 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
             gqa_in[:3] = _qk_norm(g, qkv, c, L, i, eps)
         if c.attn_scale:
             extra["scale"] = float(c.attn_scale)
-        attn = g.node("GroupQueryAttention", gqa_in,
-                      domain=MS, name=f"l{i}/attn", outputs=[f"l{i}/attn/out", ok, ov],
-                      num_heads=c.heads, kv_num_heads=c.kv_heads, do_rotary=1, rotary_interleaved=0,
-                      local_window_size=-1, **extra)[0]
+        attrs = dict(num_heads=c.heads, kv_num_heads=c.kv_heads, do_rotary=1, rotary_interleaved=0,
+                     local_window_size=-1, **extra)
+        if wide is None:
+            attn = g.node("GroupQueryAttention", gqa_in, domain=MS, name=f"l{i}/attn",
+                          outputs=[f"l{i}/attn/out", ok, ov], **attrs)[0]
+        else:
+            attn = _attention_either_path(g, i, gqa_in, [f"l{i}/attn/out", ok, ov], attrs, wide)
         if opts.pad_query:  # drop the pad row: the first S rows
             attn = g.node("Slice", [attn, g.init("zero_i64", np.array([0], np.int64)), g.init("minus_one_i64", np.array([-1], np.int64)),
                                     g.init("one_i64", np.array([1], np.int64))], name=f"l{i}/attn_unpad")[0]

@@ -81,9 +81,15 @@ def recycling_pair_key_bytes(vocab: int) -> int:
 # and its prefill no slower (642 against 538 tok/s for the first chunk's rows)
 MAX_CALL = 256
 PREFILL_CHUNK = 256
+# prefill chunks of at least this many rows attend over one dequantized float copy of an int8 cache (export/graph.py);
+# narrower ones (a short follow-up turn) take the quantized kernel, cheaper there than dequantizing the whole cache
+WIDE_PREFILL_MIN = 16
 # ONNX protobuf (graph structure, small inline constants) beside the external data: fitted to the two SmolLM2
 # graphs of the embedded export (107,717 B for 30 layers, 8,855 B for 2).
 PROTO_BYTES = (1_800, 3_530)  # base, per layer
+# an int8 KV cache adds per layer its K and V scales (2 · kv_heads · head_dim floats) and the If that picks the
+# attention path, with its two branches (fitted to the embedded export's target: +2,476 B a layer)
+PROTO_INT8_KV_LAYER = 2_480
 
 
 # edge.kv.KVCache allocates the slots in use, rounded up to this many, and grows by reallocating (never past
@@ -166,7 +172,8 @@ class WeightBytes:
 def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int | None = None,
                          precision: str = "int4", block_size: int = 32, lm_head_bits: int | None = None,
                          max_len: int | None = None, zero_points: bool = True, adapter: bool = False,
-                         embedding_bits: int = 0, block_min: bool = True, head_rescore: int = 0) -> WeightBytes:
+                         embedding_bits: int = 0, block_min: bool = True, head_rescore: int = 0,
+                         kv_int8: bool = False) -> WeightBytes:
     """What `export.graph.build_graph` writes for these settings, from architecture numbers alone (what-if planning:
     another precision, block size, drafter depth or trimmed vocabulary). `vocab`: the logits width (trimmed for
     drafters; the embedding always covers the full vocabulary). `lm_head_bits`: None = the exporter's default
@@ -174,7 +181,7 @@ def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int
     block-quantized rows with one scale (and one zero-point byte) per block. `block_min`: 4-bit layers keep their
     blocks' float minimums (residual blocks, plus one block-sum matrix [K, 32·extra] per distinct K, in `other`).
     `head_rescore` > 0: the two-stage head, whose weights are the coarse 4-bit ones (its exact rows are the
-    embedding's)."""
+    embedding's). `kv_int8`: the graph has an int8 KV cache (its scales, and a second attention path)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     a = arch
@@ -214,7 +221,7 @@ def predict_weight_bytes(arch: Mapping, *, layers: int | None = None, vocab: int
         rotary=2 * max_len * (hd // 2) * fb,
         norms=(2 * layers + 1) * hidden * fb,
         other=other,
-        proto=PROTO_BYTES[0] + PROTO_BYTES[1] * layers,
+        proto=PROTO_BYTES[0] + (PROTO_BYTES[1] + (PROTO_INT8_KV_LAYER + 2 * kv_dim * 4 if kv_int8 else 0)) * layers,
         embedding_row=row,
     )
 
@@ -227,7 +234,8 @@ def graph_weight_bytes(manifest, graph) -> WeightBytes:
     w = predict_weight_bytes(manifest.arch_of(graph), layers=graph.layers, vocab=graph.vocab, precision=graph.precision,
                              block_size=graph.block_size or 32, lm_head_bits=graph.lm_head_bits,
                              max_len=graph.max_len or None, embedding_bits=graph.embedding_bits,
-                             block_min=graph.block_min, head_rescore=graph.head_rescore)
+                             block_min=graph.block_min, head_rescore=graph.head_rescore,
+                             kv_int8=graph.kv_dtype == "int8")
     if graph.weight_bytes:
         w = replace(w, other=w.other + graph.weight_bytes - w.total)
     return w
@@ -434,6 +442,18 @@ def arena_bytes(calib: Calibration, hidden: int, vocab: int, rows: int, kept: in
                  + c * kept * vocab + calib.attn_bytes_per_row_token * rows * span)
 
 
+# an int8-cache graph's session: its two attention paths are If branches, each a subgraph with its own kernels and
+# execution state. Measured on SmolLM2-135M (30 layers, 2-core Zen 5): +5 MB after session creation against the
+# same graph with one path
+TWO_PATH_SESSION_MB_PER_LAYER = 0.2
+
+
+def dequantized_attention_bytes(arch: Mapping, span: int) -> int:
+    """What a wide prefill chunk over an int8 cache adds to one layer's workspace (export/graph.py): K and V of
+    the `span` positions as float, three times over (the cast codes, the scaled copy, the kernel's present)."""
+    return 2 * 3 * arch["kv_heads"] * arch["head_dim"] * 4 * span
+
+
 def top1_agreement(graph, default: float) -> float:
     """A drafter graph's measured top-1 agreement with the target (its manifest stats), or `default` when the
     manifest has none or a value that is not a probability (a hand-edited NaN or string must not become a NaN
@@ -465,12 +485,16 @@ def _session_parts(prefix: str, manifest, graph, calib: Calibration, context: in
     span = context + call_rows
     chunk = max(1, min(prefill_chunk, context))
     rescored = graph.head_rescore > 0
+    two_paths = graph.kv_dtype == "int8"
+    wide = dequantized_attention_bytes(a, span) if two_paths and chunk >= WIDE_PREFILL_MIN else 0
     arena = max(arena_bytes(calib, a["hidden"], graph.vocab, call_rows, kept_rows, span, rescored),
-                arena_bytes(calib, a["hidden"], graph.vocab, chunk, 1, span, rescored))
+                arena_bytes(calib, a["hidden"], graph.vocab, chunk, 1, span, rescored) + wide)
     parts = [
         (f"{prefix}.weights", resident_weight_bytes(w, calib, context, rescored=graph.head_rescore > 0)),
         # + edge.runner's per-session arrays: a zero bias row over capacity + MAX_CALL and a causal block
-        (f"{prefix}.session", round((calib.session_mb + calib.session_mb_per_layer * graph.layers) * MB)
+        (f"{prefix}.session", round((calib.session_mb + (calib.session_mb_per_layer
+                                                         + (TWO_PATH_SESSION_MB_PER_LAYER if two_paths else 0))
+                                     * graph.layers) * MB)
          + (slots + MAX_CALL) * 4 + MAX_CALL * MAX_CALL * 4),
         (f"{prefix}.kv", kv_bytes_per_token(a, graph.layers, graph.kv_dtype) * (slots + KV_SCRATCH_SLOTS)),
         (f"{prefix}.logits", max(kept_rows, 1) * graph.vocab * 4),

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from kernels.postprocess import HEAD_INPUTS, head_feeds
+from edge.manifest import DEQUANTIZE_PAST
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 384  # 3 specials + 256 byte symbols + 125 merges
@@ -259,9 +260,12 @@ class SharedKV:
         self.kv = np.zeros((layers, 2, 1, kv_heads, capacity + 1, head_dim), dtype)
         self._vals = [ort.OrtValue.ortvalue_from_numpy(self.kv[i, j]) for i in range(layers) for j in range(2)]
 
-    def run(self, ids, positions, bias, keep: int = 0) -> np.ndarray:
-        """ids [S], positions [S], bias [1, 1, S, T] → logits [R, V] (copied)."""
+    def run(self, ids, positions, bias, keep: int = 0, dequantize: bool = False) -> np.ndarray:
+        """ids [S], positions [S], bias [1, 1, S, T] → logits [R, V] (copied). `dequantize`: an int8-cache graph's
+        attention path (its `dequantize_past` input; default the quantized kernel)."""
         b = self.sess.io_binding()
+        if DEQUANTIZE_PAST in {i.name for i in self.sess.get_inputs()}:
+            b.bind_cpu_input(DEQUANTIZE_PAST, np.array(dequantize))
         b.bind_cpu_input("input_ids", np.asarray(ids, np.int64).reshape(1, -1))
         b.bind_cpu_input("position_ids", np.asarray(positions, np.int64).reshape(1, -1))
         b.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))

@@ -364,7 +364,7 @@ class _FakeSession:
     def next_token(self, ctx) -> int:
         return hash(tuple(ctx)) % self.V
 
-    def forward(self, ids, keep=0):
+    def forward(self, ids, keep=0, prefill=False):
         ids = [int(t) for t in ids]
         assert ids, "an empty call"
         self.cache.check_room(len(ids))
@@ -380,6 +380,9 @@ class _FakeSession:
         return rows if keep == 0 else rows[-keep:]
 
     prefill = GraphSession.prefill  # the real chunked prefill over this forward and cache
+
+    def wide_prefill(self, s):
+        return False
 
 
 def _oracle(sess, ctx, n):

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto
+from onnx import AttributeProto, TensorProto
 
 from conftest import MAX_LEN, VOCAB, causal, logits_alone_and_together, tiny_export_options
+from edge.manifest import DEQUANTIZE_PAST
 from export import kvquant
 from export.evaluate import GraphRunner
 from export.graph import GraphOptions, build_graph, save_model
@@ -76,18 +77,63 @@ def kv_graphs(tiny_llama, tmp_path_factory):
     return out
 
 
-def test_int8_cache_graph_io(kv_graphs):
+def _attention_nodes(graph):
+    """Every GroupQueryAttention of a graph, inside If branches too."""
+    for n in graph.node:
+        if n.op_type == "GroupQueryAttention":
+            yield n
+        for a in n.attribute:
+            if a.type == AttributeProto.GRAPH:
+                yield from _attention_nodes(a.g)
+
+
+def test_int8_cache_graph_io(tiny_llama, kv_graphs):
     import onnx
 
     m = onnx.load(str(kv_graphs[("fp32", "int8")]), load_external_data=False)
     kv = [v for v in list(m.graph.input) + list(m.graph.output) if v.name.startswith(("past_key", "present"))]
     assert kv and all(v.type.tensor_type.elem_type == TensorProto.INT8 for v in kv)
-    gqa = [n for n in m.graph.node if n.op_type == "GroupQueryAttention"]
-    for n in gqa:
+    path = [v for v in m.graph.input if v.name == DEQUANTIZE_PAST]
+    assert len(path) == 1 and path[0].type.tensor_type.elem_type == TensorProto.BOOL
+    assert not path[0].type.tensor_type.shape.dim  # a scalar
+    gqa = list(_attention_nodes(m.graph))
+    quantized = [n for n in gqa if any(a.name == "kv_cache_bit_width" for a in n.attribute)]
+    # one quantized kernel and one over the dequantized copy per layer, each in a branch of the layer's If
+    assert len(quantized) == tiny_llama.config.layers and len(gqa) == 2 * len(quantized)
+    assert not [n for n in m.graph.node if n.op_type == "GroupQueryAttention"]
+    for n in quantized:
         attrs = {a.name: a for a in n.attribute}
         assert attrs["kv_cache_bit_width"].i == 8
         assert attrs["k_quant_type"].s == attrs["v_quant_type"].s == b"PER_CHANNEL"
         assert n.input[12].endswith("k_scale") and n.input[13].endswith("v_scale")
+    m = onnx.load(str(kv_graphs[("fp32", "float32")]), load_external_data=False)
+    assert DEQUANTIZE_PAST not in {v.name for v in m.graph.input}  # a float cache has one path
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int4"])
+def test_the_dequantized_path_writes_the_same_codes_and_reads_only_the_committed_slots(tiny_llama, kv_graphs,
+                                                                                      shared_kv, precision):
+    """The prefill path (`dequantize_past` true) quantizes a call's new K/V with the same scales, so layer 0's
+    codes (computed before any attention) equal the quantized kernel's bit for bit; it attends over the committed
+    slots dequantized, so its logits stay close to the quantized kernel's, a second chunk included, and slots past
+    the call's are never read or written."""
+    c = tiny_llama.config
+    path = kv_graphs[(precision, "int8")]
+    ids = np.random.default_rng(21).integers(0, VOCAB, 40)
+    runs = {}
+    for wide in (False, True):
+        s = shared_kv(path, c.layers, c.kv_heads, c.head_dim, MAX_LEN)
+        s.kv[:, :, :, :, 40:] = np.random.default_rng(3).integers(-128, 128, s.kv[:, :, :, :, 40:].shape)
+        stale = s.kv[:, :, :, :, 41:].copy()  # slot 40: the pad query row's scratch, where the graph has one
+        first = s.run(ids[:24], np.arange(24), causal(24, 0), dequantize=wide)
+        second = s.run(ids[24:], np.arange(24, 40), causal(16, 24), dequantize=wide)
+        assert np.array_equal(s.kv[:, :, :, :, 41:], stale)
+        runs[wide] = np.concatenate([first, second]), s.kv[:, :, :, :, :40].copy()
+    (q_logits, q_kv), (d_logits, d_kv) = runs[False], runs[True]
+    assert np.array_equal(q_kv[0], d_kv[0])
+    assert np.abs(q_kv.astype(int) - d_kv.astype(int)).max() <= 8
+    assert np.abs(q_logits - d_logits).max() < 0.1 * np.abs(q_logits).max()
+    assert (q_logits.argmax(-1) == d_logits.argmax(-1)).mean() >= 0.9
 
 
 def test_the_cache_holds_each_values_own_rounding(tiny_llama, kv_graphs, shared_kv):
@@ -210,3 +256,28 @@ def test_a_cache_that_grows_mid_answer_gives_the_same_tokens(monkeypatch, tiny_l
             assert eng.target.cache.slots == MAX_LEN
             want = got
     assert all(v == want["none"] for v in want.values())
+
+
+def test_a_prompt_sent_again_recomputes_its_wide_chunk_and_answers_the_same(tiny_llama_dir, tmp_path):
+    """A prompt prefilled in one wide chunk (the dequantized path) and sent again: the cache holds it all but its
+    last token, yet the engine recomputes the chunk from its first token, and the answer is the first one's, in
+    every mode; a narrow follow-up turn re-uses the cache up to the new tokens."""
+    import edge
+    from export.pipeline import export_model
+    from memory.footprint import WIDE_PREFILL_MIN
+
+    export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(precision="int4", kv_cache="int8"),
+                 progress=False)
+    eng = edge.load(str(tmp_path / "m"))
+    assert eng.target.dequantizes
+    prompt = " ".join(["one two three four"] * 6)
+    n = len(eng.encode(prompt, raw=True))
+    assert n >= WIDE_PREFILL_MIN
+    first = eng.generate(prompt, max_tokens=12, drafter="none", raw=True)
+    assert eng.target.cache.in_chunk[1:n] == [True] * (n - 1)  # the prompt's chunk, then the answer's steps
+    assert not any(eng.target.cache.in_chunk[n:])
+    for drafter in ("none", "hybrid", "lookup"):
+        again = eng.generate(prompt, max_tokens=12, drafter=drafter, raw=True)
+        assert again.stats.reused_tokens == 0 and again.token_ids == first.token_ids, drafter
+    more = eng.generate(prompt + first.text + " one", max_tokens=4, drafter="none", raw=True)
+    assert more.stats.reused_tokens >= n

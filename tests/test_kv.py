@@ -59,3 +59,23 @@ def test_kv_grows_on_demand_and_keeps_every_slot():
     assert kv_allocated_slots(1, 10) == 10 and kv_allocated_slots(KV_GROW_SLOTS * 2 + 1, 10**6) == 3 * KV_GROW_SLOTS
     full = KVCache(layers=1, kv_heads=1, head_dim=1, capacity=cap, reserve_all=True)
     assert full.slots == cap
+
+
+def test_a_wide_prefill_chunk_is_reused_whole_or_from_its_first_token():
+    """A chunk that attended over a dequantized cache computed its rows together: a new prompt that shares only
+    part of it recomputes it from its first token, so the chunk is computed as it was the first time."""
+    c = KVCache(1, 1, 1, 64)
+    c.append(5, [1, 2, 3, 4, 5])  # a narrow chunk (the quantized kernel: any row can be recomputed alone)
+    c.append(6, [6, 7, 8, 9, 10, 11], chunk=True)
+    c.append(2, [12, 13])  # decode steps
+    assert c.in_chunk == [False] * 6 + [True] * 5 + [False] * 2
+    assert c.common_prefix([1, 2, 3, 99]) == 3
+    assert c.common_prefix([1, 2, 3, 4, 5, 6, 7, 8, 99]) == 5  # diverges inside the chunk: from its first token
+    assert c.common_prefix(list(range(1, 12)), limit=10) == 5  # a limit inside it too
+    assert c.common_prefix(list(range(1, 14)) + [0]) == 13
+    assert c.common_prefix(list(range(1, 14)), limit=11) == 11  # the whole chunk
+    assert c.common_prefix(list(range(1, 14)), limit=12) == 12
+    c.trim(4)
+    assert c.tokens == list(range(1, 10)) and c.in_chunk == [False] * 6 + [True] * 3
+    c.keep([0], [10])  # a verified token is never part of a chunk
+    assert c.in_chunk[-1] is False and len(c.in_chunk) == c.length

@@ -171,7 +171,8 @@ def test_int4_manifest_records_block_minimums_and_the_footprint_explains_the_fil
         return abs(predict_weight_bytes(m.arch_of(t), layers=t.layers, vocab=t.vocab, precision="int4",
                                         lm_head_bits=t.lm_head_bits, max_len=t.max_len,
                                         embedding_bits=t.embedding_bits, block_min=flag,
-                                        head_rescore=t.head_rescore).total - t.weight_bytes)
+                                        head_rescore=t.head_rescore, kv_int8=t.kv_dtype == "int8").total
+                   - t.weight_bytes)
 
     # right flag: only the graph structure's estimate is off; the other one misses or invents the residual blocks
     assert t.head_rescore > 0  # the tied 8-bit head is two-stage, and the prediction follows it

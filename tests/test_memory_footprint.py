@@ -455,6 +455,22 @@ def test_arena_and_bias_terms_by_hand():
     assert fp["target.arena"] == round(max(80 * 4 * 576 + 4 * 4 * 49152, 80 * 256 * 576 + 4 * 1 * 49152))
 
 
+def test_a_wide_prefill_chunk_over_an_int8_cache_adds_its_float_copies_by_hand():
+    """An int8-cache graph prefills chunks of 16 rows or more over a dequantized copy of the cache: the chunk's
+    arena holds K and V of every position in use as float, three times (codes cast, scaled, the kernel's present)."""
+    m = replace(M, graphs=[replace(M.target, kv_dtype="int8")] + list(M.drafters))
+    fp = predict_peak(m, Speculation(), 100)
+    assert fp["target.arena"] == 80 * 100 * 576 + 8 * 100 * 101 + 2 * 3 * (3 * 64 * 4) * 101
+    # 2,048 tokens in 256-row chunks: the last chunk spans all of them
+    fp = predict_peak(m, Speculation(), 2048)
+    assert fp["target.arena"] == 80 * 256 * 576 + 8 * 256 * 2049 + 2 * 3 * (3 * 64 * 4) * 2049
+    # a chunk narrower than WIDE_PREFILL_MIN takes the quantized kernel: no copies
+    assert predict_peak(m, Speculation(), 15)["target.arena"] == 80 * 15 * 576 + 8 * 15 * 16
+    # and the session holds two attention paths per layer (If branches)
+    two_paths, one_path = (predict_peak(x, Speculation(), 100)["target.session"] for x in (m, M))
+    assert two_paths - one_path == round(0.2 * MB * 30)
+
+
 def test_model_drafter_calls_by_hand():
     """The drafter's call is its width + 1 rows (the accepted token and the draft), padded to min_call."""
     fp = predict_peak(M, Speculation("model", 4, DRAFT), 1)
