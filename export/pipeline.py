@@ -412,8 +412,37 @@ def _export_locked(source, out_dir, opts: ExportOptions, progress: bool, checkpo
         _remove_ours(part, PARTIAL_MARKER, ignore_errors=True)
         raise
     steps.close()
+    drop_from_page_cache(part)
     _swap_into_place(part, out_dir)
     return m
+
+
+PAGE_CACHE_MIN_BYTES = 1 << 20  # files smaller than this (manifest, tokenizer, protobufs) are left cached
+
+
+def drop_from_page_cache(directory: Path) -> int:
+    """Write the export's large files to disk and drop them from the OS page cache → bytes dropped. Pages an export
+    has just written sit in the page cache as large folios (ext4 on Linux 6.x), and a later memory-mapped read of
+    one row maps the whole folio: on Gemma 3 270M a request mapped 40-90 MB of the model file instead of 10-30 MB
+    (the runtime gives those pages back after each request, but not during it). Read back from disk later, the
+    pages come in small. Linux only (posix_fadvise); never raises."""
+    if not hasattr(os, "posix_fadvise"):
+        return 0
+    dropped = 0
+    for path in sorted(Path(directory).rglob("*")):
+        try:
+            if not path.is_file() or path.stat().st_size < PAGE_CACHE_MIN_BYTES:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # only clean pages can be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                dropped += path.stat().st_size
+            finally:
+                os.close(fd)
+        except OSError:
+            continue
+    return dropped
 
 
 def _smoothing(opts: ExportOptions) -> bool:

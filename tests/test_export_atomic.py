@@ -368,3 +368,38 @@ def test_lock_never_touches_other_files_beside_out(tmp_path):
     with pytest.raises(ValueError, match="is not a directory"):
         with pipeline.export_lock(tmp_path / "uv.lock" / "m"):
             pass
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is Linux's")
+def test_a_finished_export_is_synced_and_dropped_from_the_page_cache(tiny_llama_dir, tmp_path, monkeypatch):
+    """The large files an export wrote are synced, then dropped from the page cache before the directory is
+    published, so the runtime later reads them back in small pages; small files are left alone, and an OS error
+    on one file skips it without failing the export."""
+    synced, dropped = [], []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real_fsync(fd)
+
+    def fadvise(fd, offset, length, advice):
+        assert (offset, length, advice) == (0, 0, os.POSIX_FADV_DONTNEED)
+        dropped.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    monkeypatch.setattr(pipeline, "PAGE_CACHE_MIN_BYTES", 4096)
+    out = tmp_path / "m"
+    export_model(tiny_llama_dir, out, tiny_export_options(parity=False), progress=False)
+    big = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.stat().st_size >= 4096}
+    small = {str(p.relative_to(out)) for p in out.rglob("*") if p.is_file() and p.stat().st_size < 4096}
+    part = str(out) + ".partial/"
+    assert {d.removeprefix(part) for d in dropped} == big and any(b.endswith(".onnx.data") for b in big)
+    assert set(dropped) <= set(synced) and small
+    assert not {d.removeprefix(part) for d in dropped} & small
+
+    def refuse(fd, *a):
+        raise OSError("not supported here")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    assert pipeline.drop_from_page_cache(out) == 0
