@@ -369,24 +369,27 @@ def _branch(g: _Builder):
         g.nodes = outer
 
 
-def _call_slots(g: _Builder, positions: str, total: str, c) -> tuple[str, str]:
-    """For the dequantized attention path, computed once per call: the committed length P = T - S' as [1] (S' the
-    call's rows, the pad query's included) and the cache slots the call writes, P .. T-1, as indices
-    [1, kv_heads, S', head_dim] for ScatterElements along the slot axis."""
-    rows = g.node("Gather", [g.node("Shape", [positions], name="call_shape")[0], g.init("const_1", np.array(1, np.int64))],
-                  name="call_rows", axis=0)[0]
-    past = g.node("Sub", [total, rows], name="past_len")[0]
-    past1 = g.node("Reshape", [past, g.init("shape_1", np.array([1], np.int64))], name="past_len1")[0]
-    slots = g.node("Range", [past, total, g.init("const_1", np.array(1, np.int64))], name="call_slots")[0]
-    slots = g.node("Reshape", [slots, g.init("slot_axis", np.array([1, 1, -1, 1], np.int64))], name="call_slots4")[0]
-    rows1 = g.node("Reshape", [rows, g.init("shape_1", np.array([1], np.int64))], name="call_rows1")[0]
-    shape = g.node("Concat", [g.init("kv_lead", np.array([1, c.kv_heads], np.int64)), rows1,
-                              g.init("kv_head_dim", np.array([c.head_dim], np.int64))], name="call_kv_shape", axis=0)[0]
-    return past1, g.node("Expand", [slots, shape], name="call_slot_index")[0]
+def _call_slots(g: _Builder, prefix: str, positions: str, total: str, kv_heads: int) -> tuple[str, str]:
+    """The committed length P = T - S' as [1] (S' the call's rows, the pad query's included) and ScatterND
+    indices [1, kv_heads, S', 3] of the slots the call writes: (0, head, P + row) for every head and row."""
+    i64 = lambda name, v: g.init(name, np.array(v, np.int64))  # noqa: E731
+    rows = g.node("Gather", [g.node("Shape", [positions], name=f"{prefix}/call_shape")[0], i64("const_1", 1)],
+                  name=f"{prefix}/call_rows", axis=0)[0]
+    past = g.node("Sub", [total, rows], name=f"{prefix}/past_len")[0]
+    past1 = g.node("Reshape", [past, i64("shape_1", [1])], name=f"{prefix}/past_len1")[0]
+    slots = g.node("Range", [past, total, i64("const_1", 1)], name=f"{prefix}/slots")[0]  # [S']
+    grid = g.node("Concat", [i64("kv_heads_1", [kv_heads]), g.node("Shape", [slots], name=f"{prefix}/rows1")[0]],
+                  name=f"{prefix}/grid", axis=0)[0]  # [kv_heads, S']
+    parts = [g.node("Expand", [i64("const_0", 0), grid], name=f"{prefix}/batch")[0],
+             g.node("Expand", [i64("kv_head_ids", np.arange(kv_heads).reshape(-1, 1)), grid], name=f"{prefix}/heads")[0],
+             g.node("Expand", [slots, grid], name=f"{prefix}/rows")[0]]
+    parts = [g.node("Unsqueeze", [x, i64("axis_last", [-1])], name=f"{prefix}/index{k}")[0] for k, x in enumerate(parts)]
+    index = g.node("Concat", parts, name=f"{prefix}/index", axis=-1)[0]  # [kv_heads, S', 3]
+    return past1, g.node("Unsqueeze", [index, i64("zero_i64", [0])], name=f"{prefix}/index4")[0]
 
 
 def _attention_either_path(g: _Builder, i: int, gqa_in: list[str], outputs: list[str], attrs: dict,
-                           wide: tuple[str, str]) -> str:
+                           call: tuple[str, str], kv_heads: int) -> str:
     """GroupQueryAttention over the int8 cache, by one of two paths the `dequantize_past` input picks per call:
 
     - false: the quantized kernel. Exact for speculation (a row computes the same in any call), but it reads the
@@ -396,9 +399,12 @@ def _attention_either_path(g: _Builder, i: int, gqa_in: list[str], outputs: list
       256-row prefill chunk, and it writes the same codes; but its rows see the call's own new K/V unquantized, so
       a row's result depends on the call's width: for prefill only, whose chunks both plain and speculative
       decoding run alike.
+
+    `call`: the (padded) position_ids and the total length T as int64; the committed length P = T - S' and the
+    slots the call writes (P .. T-1) are worked out inside the branch, so decode calls never compute them.
     """
     attn_out, ok, ov = outputs
-    past1, index = wide
+    positions, total = call
     with _branch(g) as quantized:
         g.node("GroupQueryAttention", gqa_in, domain=MS, name=f"l{i}/attn_q",
                outputs=[f"l{i}/attn_q/out", f"l{i}/attn_q/key", f"l{i}/attn_q/value"], **attrs)
@@ -407,6 +413,7 @@ def _attention_either_path(g: _Builder, i: int, gqa_in: list[str], outputs: list
                        g.init("int_max", np.array([2**62], np.int64)))
     lo, hi = g.init("int8_lo", np.array(-128, np.float32)), g.init("int8_hi", np.array(127, np.float32))
     with _branch(g) as dequantized:
+        past1, index = _call_slots(g, f"l{i}/deq", positions, total, kv_heads)
         past, scales = [], gqa_in[12:14]
         for buf, scale, kind in zip(gqa_in[3:5], scales, ("key", "value")):
             codes = g.node("Slice", [buf, zero, past1, axis], name=f"l{i}/deq/{kind}_past")[0]
@@ -420,7 +427,7 @@ def _attention_either_path(g: _Builder, i: int, gqa_in: list[str], outputs: list
             q = g.node("Round", [g.node("Div", [new, scale], name=f"l{i}/deq/{kind}_div")[0]], name=f"l{i}/deq/{kind}_round")[0]
             q = g.node("Cast", [g.node("Clip", [q, lo, hi], name=f"l{i}/deq/{kind}_clip")[0]],
                        name=f"l{i}/deq/{kind}_codes", to=TensorProto.INT8)[0]
-            written.append(g.node("ScatterElements", [buf, index, q], name=f"l{i}/deq/{kind}_write", axis=2)[0])
+            written.append(g.node("ScatterND", [buf, index, q], name=f"l{i}/deq/{kind}_write")[0])
     value_types = (TensorProto.FLOAT, TensorProto.INT8, TensorProto.INT8)
     branch_graph = lambda nodes, name, outs: helper.make_graph(  # noqa: E731
         nodes, name, [], [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, value_types)])
@@ -540,7 +547,7 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
     wide = None
     if int8_kv and ft == TensorProto.FLOAT:
         inputs.append(helper.make_tensor_value_info(DEQUANTIZE_PAST, TensorProto.BOOL, []))
-        wide = _call_slots(g, positions, t64, c)
+        wide = positions, t64
     for i in range(n_layers):
         L = lambda n: w[f"model.layers.{i}.{n}"]  # noqa: E731
         qkv_w = np.concatenate([L("self_attn.q_proj.weight"), L("self_attn.k_proj.weight"), L("self_attn.v_proj.weight")])
@@ -575,7 +582,7 @@ def build_graph(ck: Checkpoint, opts: GraphOptions, vocab_ids: np.ndarray | None
             attn = g.node("GroupQueryAttention", gqa_in, domain=MS, name=f"l{i}/attn",
                           outputs=[f"l{i}/attn/out", ok, ov], **attrs)[0]
         else:
-            attn = _attention_either_path(g, i, gqa_in, [f"l{i}/attn/out", ok, ov], attrs, wide)
+            attn = _attention_either_path(g, i, gqa_in, [f"l{i}/attn/out", ok, ov], attrs, wide, c.kv_heads)
         if opts.pad_query:  # drop the pad row: the first S rows
             attn = g.node("Slice", [attn, g.init("zero_i64", np.array([0], np.int64)), g.init("minus_one_i64", np.array([-1], np.int64)),
                                     g.init("one_i64", np.array([1], np.int64))], name=f"l{i}/attn_unpad")[0]

@@ -88,8 +88,8 @@ WIDE_PREFILL_MIN = 16
 # graphs of the embedded export (107,717 B for 30 layers, 8,855 B for 2).
 PROTO_BYTES = (1_800, 3_530)  # base, per layer
 # an int8 KV cache adds per layer its K and V scales (2 · kv_heads · head_dim floats) and the If that picks the
-# attention path, with its two branches (fitted to the embedded export's target: +2,476 B a layer)
-PROTO_INT8_KV_LAYER = 2_480
+# attention path, with its two branches (fitted to the embedded export's target: +3,702 B a layer)
+PROTO_INT8_KV_LAYER = 3_700
 
 
 # edge.kv.KVCache allocates the slots in use, rounded up to this many, and grows by reallocating (never past
