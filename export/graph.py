@@ -395,7 +395,7 @@ def _attention_either_path(g: _Builder, i: int, gqa_in: list[str], outputs: list
     - false: the quantized kernel. Exact for speculation (a row computes the same in any call), but it reads the
       cache per query row, so a call of S rows costs ~S single-row calls.
     - true: the committed slots are dequantized once (codes · scale), the float kernel attends over them, and the
-      call's new K/V are quantized with the same static scales and written into their slots. ~2.5× faster for a
+      call's new K/V are quantized with the same static scales and written into their slots. ~2.8× faster for a
       256-row prefill chunk, and it writes the same codes; but its rows see the call's own new K/V unquantized, so
       a row's result depends on the call's width: for prefill only, whose chunks both plain and speculative
       decoding run alike.
