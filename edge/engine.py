@@ -473,13 +473,7 @@ class Engine:
         n = self.target.cache.common_prefix(ids, len(ids) - 1)
         self._rewind_to(n)
         st.reused_tokens = n
-        logits = None
-        chunk = self._prefill_chunk()
-        for i in range(n, len(ids), chunk):
-            part = ids[i : i + chunk]
-            logits = self.target.forward(part, keep=1, prefill=True)[-1]
-            self.target.cache.append(len(part), part, chunk=self.target.wide_prefill(len(part)))
-        return logits.copy()
+        return self.target.prefill(ids[n:], self._prefill_chunk()).copy()
 
     def _commit(self, tokens: list[int], path: list[int] | None) -> None:
         """Commit the verified tokens (root + accepted drafts) to the target cache."""

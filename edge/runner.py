@@ -83,8 +83,6 @@ class Session(Protocol):
 
     def prefill(self, tokens, chunk: int = PREFILL_CHUNK) -> np.ndarray: ...
 
-    def wide_prefill(self, s: int) -> bool: ...
-
 
 SMALL_CALL = 64  # calls up to this width (decode, verify) reuse their input buffers and output bindings
 
@@ -124,7 +122,8 @@ class GraphSession:
         outs = {o.name: o for o in self.sess.get_outputs()}
         # the on-graph head (kernels/postprocess.py) takes k and the temperature per call; graphs before it (export
         # version 4) have a fixed-k TopK and no probabilities
-        self.head = set(HEAD_INPUTS) <= {i.name for i in self.sess.get_inputs()}
+        inputs = {i.name for i in self.sess.get_inputs()}
+        self.head = set(HEAD_INPUTS) <= inputs
         if self.head:
             self.topk = min(GREEDY_K, self.vocab)
         else:
@@ -138,7 +137,7 @@ class GraphSession:
         # int8-cache graphs pick their attention path per call (export/graph.py): the quantized kernel, or, for a
         # wide prefill chunk, one dequantized copy of the cache (two bool scalars, bound by identity)
         self._dequantize = (np.zeros((), bool), np.ones((), bool))
-        self.dequantizes = DEQUANTIZE_PAST in {i.name for i in self.sess.get_inputs()}
+        self.dequantizes = DEQUANTIZE_PAST in inputs
         self.min_call = 1
         self._kv_values = [ort.OrtValue.ortvalue_from_numpy(self.cache.layer(i, j))
                            for i in range(graph.layers) for j in range(2)]  # kept alive: bindings hold pointers

@@ -36,13 +36,15 @@ class GraphRunner:
                 types.get("past_key_values.0.key"), np.float32)
         self.layers, self.kv_heads, self.head_dim, self.kv_dtype = layers, kv_heads, head_dim, kv_dtype
         names = set(types)
-        self._head = head_feeds(1) if set(HEAD_INPUTS) <= names else {}  # logits only: the head's cheapest call
-        if DEQUANTIZE_PAST in names:  # the quantized kernel: what every decode and verify call computes
-            self._head[DEQUANTIZE_PAST] = np.zeros((), bool)
+        # what every call feeds alike: the on-graph head's cheapest call (logits only), and an int8 cache's
+        # quantized kernel (what every decode and verify call computes)
+        self._fixed = head_feeds(1) if set(HEAD_INPUTS) <= names else {}
+        if DEQUANTIZE_PAST in names:
+            self._fixed[DEQUANTIZE_PAST] = np.zeros((), bool)
 
     def _feeds(self, ids, pos, bias, past, keep=0):
         f = {"input_ids": np.asarray(ids, np.int64)[None], "position_ids": np.asarray(pos, np.int64)[None],
-             "attention_bias": bias, "logits_keep": np.array([keep], np.int64), **self._head}
+             "attention_bias": bias, "logits_keep": np.array([keep], np.int64), **self._fixed}
         for i in range(self.layers):
             f[f"past_key_values.{i}.key"], f[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
         return f

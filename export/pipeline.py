@@ -431,13 +431,14 @@ def drop_from_page_cache(directory: Path) -> int:
     dropped = 0
     for path in sorted(Path(directory).rglob("*")):
         try:
-            if not path.is_file() or path.stat().st_size < PAGE_CACHE_MIN_BYTES:
+            size = path.stat().st_size if path.is_file() else 0
+            if size < PAGE_CACHE_MIN_BYTES:
                 continue
             fd = os.open(path, os.O_RDONLY)
             try:
                 os.fsync(fd)  # only clean pages can be dropped
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                dropped += path.stat().st_size
+                dropped += size
             finally:
                 os.close(fd)
         except OSError:

@@ -253,6 +253,7 @@ class SharedKV:
         so.log_severity_level = 3
         self.ort = ort
         self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        self.inputs = {i.name for i in self.sess.get_inputs()}
         self.layers = layers
         kv_type = {i.name: i.type for i in self.sess.get_inputs()}["past_key_values.0.key"]
         dtype = {"tensor(int8)": np.int8, "tensor(float16)": np.float16}.get(kv_type, np.float32)
@@ -264,13 +265,13 @@ class SharedKV:
         """ids [S], positions [S], bias [1, 1, S, T] → logits [R, V] (copied). `dequantize`: an int8-cache graph's
         attention path (its `dequantize_past` input; default the quantized kernel)."""
         b = self.sess.io_binding()
-        if DEQUANTIZE_PAST in {i.name for i in self.sess.get_inputs()}:
+        if DEQUANTIZE_PAST in self.inputs:
             b.bind_cpu_input(DEQUANTIZE_PAST, np.array(dequantize))
         b.bind_cpu_input("input_ids", np.asarray(ids, np.int64).reshape(1, -1))
         b.bind_cpu_input("position_ids", np.asarray(positions, np.int64).reshape(1, -1))
         b.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, np.float32))
         b.bind_cpu_input("logits_keep", np.array([keep], np.int64))
-        if set(HEAD_INPUTS) <= {i.name for i in self.sess.get_inputs()}:  # the on-graph head: its cheapest call
+        if set(HEAD_INPUTS) <= self.inputs:  # the on-graph head: its cheapest call
             for name, arr in head_feeds(1).items():
                 b.bind_cpu_input(name, arr)
         b.bind_output("logits")  # first: copy_outputs_to_cpu() lists outputs in binding order
