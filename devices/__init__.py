@@ -174,8 +174,11 @@ def load_profile(name: str) -> DeviceProfile:
     if name.endswith(".json") or os.sep in name:
         path = Path(name)
         if not path.is_file():
-            raise ProfileError(f"{path}: no such device profile file")
-        text, where = path.read_text(), str(path)
+            raise ProfileError(f"{path}: {'a folder, not' if path.is_dir() else 'no such'} device profile file")
+        try:
+            text, where = path.read_text(encoding="utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ProfileError(f"{path}: cannot read it as a device profile (JSON text): {e}") from None
     else:
         f = _profiles_dir() / f"{name}.json"
         if not f.is_file():
@@ -199,6 +202,14 @@ def available_providers() -> list[str]:
     except ImportError:
         return []
     return list(ort.get_available_providers())
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask, which containers and `taskset` narrow (at least 1)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity call on this OS
+        return os.cpu_count() or 1
 
 
 def cgroup_memory() -> tuple[int, int] | None:

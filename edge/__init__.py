@@ -51,6 +51,9 @@ def resolve_model(model: str | os.PathLike | None = None, progress: bool = True)
 
     from .manifest import GRAPH_VERSION, load_manifest
 
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise ModelDirError(f"model must be a directory or a model name, a string or a path (got "
+                            f"{type(model).__name__} {model!r:.40})")
     named = resolve(model)
     if isinstance(named, Path):
         return named
@@ -77,7 +80,7 @@ def resolve_model(model: str | os.PathLike | None = None, progress: bool = True)
 
 
 def load(model: str | os.PathLike | None = None, *, drafter: str = "auto", device: str | None = None,
-         budget_mb: float | None = None, threads: int = 2, context: int | None = None,
+         budget_mb: float | None = None, threads: int | None = None, context: int | None = None,
          progress: bool = True, simulate: bool = False, calibration: str | os.PathLike | None = None,
          verify: str = "fast") -> Engine:
     """Load a model: an exported model directory, or a model edgespec knows by name ("smollm2-135m", the default;
@@ -87,6 +90,7 @@ def load(model: str | os.PathLike | None = None, *, drafter: str = "auto", devic
     drafter and draft length that fit, and re-plans as a chat's context grows. A profile whose execution provider
     is not installed is refused unless `simulate=True` (same budgets and shapes, CPU kernels). `calibration`: an
     edge-profile calibration JSON for the planner (default: the one `edge-profile --install` left for this model).
+    `threads`: ONNX Runtime's threads (default 2, or fewer when this process may use fewer cores).
     `verify`: "fast" checks every file's size and the sha256 of the small ones; "sha256" hashes everything (0.5 s
     for the embedded model), "size" only sizes."""
     if budget_mb is not None and (isinstance(budget_mb, bool) or not isinstance(budget_mb, numbers.Real)):

@@ -4,6 +4,7 @@ detection."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from .drafters import DRAFTER_CHOICES
 from .engine import DEFAULT_CONTEXT
@@ -99,7 +100,7 @@ def add_model_arg(parser: argparse.ArgumentParser, *flags: str) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The flags that become `edge.load` keywords (drafter, threads, context, device, budget, calibration,
-    simulate), in their own help group; edge-chat and edge-serve both take them."""
+    verify, simulate), in their own help group; edge-chat and edge-serve both take them."""
     group = parser.add_argument_group("engine")
     group.add_argument("--drafter", choices=list(DRAFTER_CHOICES), default="auto",
                        help="speculative drafter: lookup = prompt/history n-gram lookup, recycling = Token Recycling "
@@ -108,7 +109,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "graph (early-exit, or a small checkpoint: edge-export --drafter-checkpoint), none = "
                             "plain decoding (the lossless reference), auto = chosen from what the export measured; "
                             "with --device/--budget-mb the memory plan chooses (default auto)")
-    group.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
+    group.add_argument("--threads", type=positive_int,
+                       help="CPU threads for ONNX Runtime (default 2, or fewer when this process may use fewer cores; "
+                            "more threads than cores makes every step several times slower)")
     group.add_argument("--context", type=positive_int,
                        help="context window in tokens (default 4096, or the export's maximum if that is smaller)")
     group.add_argument("--device", help="device profile for the memory planner: host, laptop-cpu-16gb, "
@@ -121,9 +124,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="edge-profile's calibration.json for the planner (measured latency, acceptance, memory "
                             "baseline); default, when the planner runs on the host profile (--budget-mb without "
                             "--device, or --device host): the one `edge-profile --install` left for this model, if any")
+    group.add_argument("--verify", choices=("fast", "sha256", "size"), default="fast",
+                       help="how the model's files are checked at load: fast = every size, and the sha256 of the "
+                            "small files (graphs, tokenizer); sha256 = every file's hash against the manifest, "
+                            "which finds corrupted weights (about 0.5 s for the embedded model); size = sizes only "
+                            "(default fast)")
     group.add_argument("--simulate", action="store_true",
                        help="run a device profile whose execution provider is not installed on the CPU (same budget "
                             "and shape limits)")
+
+
+def plain_warnings(prog: str) -> None:
+    """Python warnings (more threads than cores, a w8a8 export on a CPU whose int8 sums saturate) as one line
+    `prog: warning: ...` on stderr, without the file and source line Python prints: they name edgespec's code,
+    which a command's user did not write."""
+    import warnings
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        print(f"{prog}: warning: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = show
 
 
 def add_version(parser: argparse.ArgumentParser) -> None:

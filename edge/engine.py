@@ -35,12 +35,13 @@ from .manifest import (VERIFY_LEVELS, ModelDirError, check_drafter, load_manifes
                        require_drafter_graph)
 from .output import AnswerText, Chunk
 from .pages import release as release_pages
-from .runner import HEAD_TOPK_MAX, HEAD_TOPK_NUCLEUS, GraphSession, Output, open_session
+from .runner import HEAD_TOPK_MAX, HEAD_TOPK_NUCLEUS, GraphSession, Output, check_threads, open_session
 from .text import TextCodec
 
 DEFAULT_CONTEXT = 4096  # tokens, when neither the caller nor a smaller export says otherwise
 MAX_DRAFT_LEN = 64  # draft tokens per call a request may ask for (draft_len)
 DEFAULT_MAX_TOKENS = 512  # answer length when a request sets none: the API, edge-chat and edge-serve alike
+CANCELLED = "cancelled"  # the finish_reason of an answer `Engine.cancel` ended
 
 
 def _is_int(v) -> bool:
@@ -58,7 +59,8 @@ class ContextFull(EngineError):
 
 
 class EngineBusy(EngineError):
-    pass
+    """The engine is running another request (one at a time per engine): serialize calls, `cancel()` the running
+    one, or load a second engine."""
 
 
 BUSY_HINT = ("in another thread, or an earlier stream() that was neither finished nor closed: call its close(), "
@@ -79,7 +81,8 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 
 class BadMessage(EngineError):
-    """A chat message the API cannot take; `param` names it as OpenAI's API does (`messages[2].content`)."""
+    """A chat message or prompt the API cannot take; `param` names it as OpenAI's API does (`messages[2].content`,
+    `prompt`)."""
 
     def __init__(self, message: str, param: str):
         super().__init__(message)
@@ -90,6 +93,8 @@ def _content(m: dict, i: int) -> str:
     c = m.get("content")
     if isinstance(c, str):
         return c
+    if c is None and m.get("role") == "assistant":  # an assistant turn that only called tools (OpenAI's null)
+        return ""
     if isinstance(c, list):  # OpenAI's content parts: text only
         texts = [x.get("text") for x in c if isinstance(x, dict) and x.get("type") == "text"]
         if len(texts) == len(c) and all(isinstance(t, str) for t in texts):
@@ -161,6 +166,8 @@ class GenerationParams:
 
 @dataclass
 class Stats:
+    """One request's counters and timings (`GenerationResult.stats`; `Engine.last_stats` after a stream's last
+    chunk)."""
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens already in the KV cache (not prefilled again)
     generated: int = 0
@@ -204,6 +211,9 @@ class Stats:
 
 @dataclass
 class GenerationResult:
+    """A whole answer: its text, the token ids generated (ending with EOS or the token that completed a stop
+    string, whose text is not shown), finish_reason ("stop": EOS or a stop string; "length": max_tokens or a full
+    context; "cancelled": `Engine.cancel`) and the request's `Stats`."""
     text: str
     token_ids: list[int]
     finish_reason: str
@@ -245,13 +255,15 @@ class Engine:
     """One loaded model: the target session and its KV cache, the drafters, the adaptive draft length and the memory
     plan. `stream` / `generate` / `chat` run requests on it, one at a time."""
 
-    def __init__(self, model_dir: str | Path, drafter: str = "auto", threads: int = 2, context: int | None = None,
+    def __init__(self, model_dir: str | Path, drafter: str = "auto", threads: int | None = None,
+                 context: int | None = None,
                  providers=("CPUExecutionProvider",), verify: str = "fast", profile=None,
                  budget_mb: float | None = None):
         if drafter not in DRAFTER_CHOICES:
             raise EngineError(f"drafter {drafter!r}: choose one of {', '.join(DRAFTER_CHOICES)}")
-        if not _is_int(threads) or threads < 1:
+        if threads is not None and (not _is_int(threads) or threads < 1):
             raise EngineError(f"threads must be a whole number >= 1 (got {threads!r})")
+        threads = check_threads(threads)
         if context is not None and (not _is_int(context) or context < 1):
             raise EngineError(f"context must be a whole number >= 1 (got {context!r})")
         threads, context = int(threads), None if context is None else int(context)
@@ -281,6 +293,8 @@ class Engine:
         self._drafter_graph = None  # which drafter graph it runs
         self._id_map = None
         self._lock = threading.Lock()
+        self._cancel: threading.Event | None = None  # the running request's (`cancel`)
+        self._closed = False
         self.head_hits = self.head_misses = 0  # sampled rows whose p came from the on-graph head / from the logits
         # memory planning: with a device profile or budget, the plan picks drafter and K and is re-made for every
         # request at the context it can reach; without, the drafter runs unconstrained
@@ -307,6 +321,7 @@ class Engine:
     @property
     def cached(self) -> list[int]:
         """The token ids in the target's KV cache (owned by the cache)."""
+        self._check_open()
         return self.target.cache.tokens
 
     # ------------------------------------------------------------------ the memory plan
@@ -443,7 +458,7 @@ class Engine:
         return drafter, p.draft_len if p.draft_len is not None else DRAFTER_KINDS[kind].default_len
 
     # ------------------------------------------------------------------ encoding
-    def encode(self, prompt_or_messages, raw: bool = False, *, special_tokens_in_content: bool = False) -> list[int]:
+    def encode(self, prompt_or_messages, *, raw: bool = False, special_tokens_in_content: bool = False) -> list[int]:
         """The prompt's token ids. Message text is encoded as text (a control token's string in it stays text);
         `special_tokens_in_content=True` lets it become control tokens (see TextCodec.encode_chat). A plain string
         is one user message, or for a base model (no chat template) the text it continues; with `raw=True` it is
@@ -468,12 +483,14 @@ class Engine:
         return self.codec.encode_chat(msgs, special_tokens_in_content=special_tokens_in_content)
 
     # ------------------------------------------------------------------ the loop's phases
-    def _prefill(self, ids: list[int], st: Stats) -> np.ndarray:
-        """Re-use the longest cached prefix, prefill the rest in chunks; → logits [V] after the last prompt token."""
+    def _prefill(self, ids: list[int], st: Stats, stop=None) -> np.ndarray | None:
+        """Re-use the longest cached prefix, prefill the rest in chunks; → logits [V] after the last prompt token,
+        or None when `stop()` ended it between chunks."""
         n = self.target.cache.common_prefix(ids, len(ids) - 1)
         self._rewind_to(n)
         st.reused_tokens = n
-        return self.target.prefill(ids[n:], self._prefill_chunk()).copy()
+        logits = self.target.prefill(ids[n:], self._prefill_chunk(), stop)
+        return None if logits is None else logits.copy()
 
     def _commit(self, tokens: list[int], path: list[int] | None) -> None:
         """Commit the verified tokens (root + accepted drafts) to the target cache."""
@@ -575,7 +592,7 @@ class Engine:
 
     def _check_request(self, ids: list[int], p: GenerationParams) -> None:
         if not ids:
-            raise EngineError("empty prompt: nothing to continue from")
+            raise BadMessage("empty prompt: nothing to continue from", "prompt")
         room = self.context - len(ids)
         if room < 1:
             more = self.manifest.target.max_len
@@ -585,10 +602,10 @@ class Engine:
         p.check(room)
 
     # ------------------------------------------------------------------ the loop
-    def _run(self, ids: list[int], p: GenerationParams) -> Iterator[Chunk]:
-        """prefill → (emit → draft → verify → commit → drafter update)* → rollback in `finally`."""
-        st = self.last_stats = Stats(prompt_tokens=len(ids))
-        self._check_request(ids, p)
+    def _run(self, ids: list[int], p: GenerationParams, cancel: threading.Event) -> Iterator[Chunk]:
+        """prefill → (emit → draft → verify → commit → drafter update)* → rollback in `finally`. `ids` and `p` were
+        checked by `stream`; `cancel`, once set, ends the answer at the next step or prefill chunk."""
+        st = Stats(prompt_tokens=len(ids))
         rng = np.random.default_rng(p.seed)
         end = self._plan_request(len(ids), p)
         # also refuses a drafter this export cannot run, with the fix named
@@ -601,10 +618,15 @@ class Engine:
         free = self.policy.is_free(kind, fixed, tree)
         st.drafter = kind
         answer = AnswerText(self.codec, self.eos, p.max_tokens, p.stop)
+        self.last_stats = st  # a refused request leaves the previous one's
         t0 = t1 = time.perf_counter()
         ort1 = self._ort_run_s()
         try:
-            logits = self._prefill(ids, st)
+            logits = self._prefill(ids, st, cancel.is_set)
+            if logits is None:  # cancelled between prefill chunks
+                st.prefill_s = time.perf_counter() - t0
+                yield answer.end(CANCELLED)
+                return
             first = make_sampler(p.temperature, p.top_k, p.top_p)(logits, rng)  # greedy: argmax, checked
             st.prefill_s = time.perf_counter() - t0
             t1, ort1 = time.perf_counter(), self._ort_run_s()
@@ -622,6 +644,10 @@ class Engine:
                     yield chunk
                     return
                 yield chunk
+                if cancel.is_set():
+                    st.decode_s, st.ort_s = time.perf_counter() - t1, self._ort_run_s() - ort1
+                    yield answer.end(CANCELLED)
+                    return
 
                 # ---- one speculative step: draft, verify in one target call, commit, update the drafter
                 self.policy.at_context()
@@ -662,49 +688,105 @@ class Engine:
         return self.target.run_s + (self._drafter_sess.run_s if self._drafter_sess is not None else 0.0)
 
     # ------------------------------------------------------------------ public API
-    def stream(self, prompt_or_messages, raw: bool = False, *, special_tokens_in_content: bool = False,
-               **params) -> Iterator[Chunk]:
+    def stream(self, prompt_or_messages, *, raw: bool = False, special_tokens_in_content: bool = False,
+               cancel: threading.Event | None = None, **params) -> Iterator[Chunk]:
         """Answer a prompt (a string, or OpenAI-style messages rendered with the chat template), yielding `Chunk`s
         (text, token ids, how many were accepted drafts, finish_reason on the last) as they are verified.
 
         `params` are `GenerationParams`: max_tokens (default 512), temperature (0: greedy), top_p, top_k, seed,
         stop (a string or a list), drafter (one of "auto", "hybrid", "recycling", "model", "lookup", "none"),
         draft_len. Greedy answers equal plain decoding's token for token; sampled ones follow the same
-        distribution. Closing the stream early (or Ctrl-C) rolls the KV cache back to what was emitted.
-        `raw=True` encodes a string as it is, without the chat template. Every refusal is an EngineError."""
+        distribution. Closing the stream early (or Ctrl-C) rolls the KV cache back to what was emitted. `cancel()`
+        from another thread, or setting the `cancel` Event given here (at any time, even before the first chunk),
+        ends it at its next step or prefill chunk with finish_reason "cancelled". After the last chunk,
+        `last_stats` holds the request's `Stats`. `raw=True` encodes a string as it is, without the chat template.
+        Every refusal is an EngineError: bad arguments and a prompt beyond the context when the stream is made;
+        another request running (`EngineBusy`), a drafter this export lacks or a memory budget the request cannot
+        fit at its first chunk."""
+        self._check_open()
         p = GenerationParams(**_normalize(params))
         ids = self.encode(prompt_or_messages, raw=raw, special_tokens_in_content=special_tokens_in_content)
+        self._check_request(ids, p)
+        return self._locked_run(ids, p, cancel)
+
+    def _locked_run(self, ids: list[int], p: GenerationParams, cancel: threading.Event | None) -> Iterator[Chunk]:
         with _holding(self._lock, f"this engine is already generating ({BUSY_HINT}); serialize calls or load a "
                       "second engine"):
-            yield from self._run(ids, p)
+            self._check_open()
+            self._cancel = cancel if cancel is not None else threading.Event()
+            try:
+                yield from self._run(ids, p, self._cancel)
+            finally:
+                self._cancel = None
 
-    def generate(self, prompt_or_messages, raw: bool = False, *, special_tokens_in_content: bool = False,
-                 **params) -> GenerationResult:
+    def cancel(self) -> bool:
+        """Stop the running request, from any thread (a Stop button): it ends at its next step, or between prefill
+        chunks, with a last chunk whose finish_reason is "cancelled"; what was emitted stays in the KV cache, as
+        when a stream is closed. True if a request was running."""
+        ev = self._cancel
+        if ev is None:
+            return False
+        ev.set()
+        return True
+
+    def close(self) -> None:
+        """Release the ONNX Runtime sessions and the KV cache now, rather than when the engine is collected (a
+        chat or a stream holds it alive). Later requests raise EngineError; closing twice is fine. `with
+        edge.load(...) as engine:` closes on leaving the block."""
+        with _holding(self._lock, f"cannot close while this engine is generating ({BUSY_HINT}; or cancel() it)"):
+            if self._closed:
+                return
+            self._closed = True
+            self.target = self._drafter_sess = None
+            self.recycling = self.lookup = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.cancel()
+        try:
+            self.close()
+        except EngineBusy:  # a stream of the block still open: its error, if one is on its way, is the one to see
+            if exc_type is None:
+                raise
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineError("this engine was closed; load the model again (edge.load)")
+
+    def generate(self, prompt_or_messages, *, raw: bool = False, special_tokens_in_content: bool = False,
+                 cancel: threading.Event | None = None, **params) -> GenerationResult:
         """The whole answer of `stream` (same arguments) as a `GenerationResult`: text, token ids, finish_reason
-        ("stop": EOS or a stop string; "length": max_tokens or the context), and the request's `Stats`."""
+        ("stop": EOS or a stop string; "length": max_tokens or the context; "cancelled": `cancel()`), and the
+        request's `Stats`."""
         return collect(self.stream(prompt_or_messages, raw=raw, special_tokens_in_content=special_tokens_in_content,
-                                   **params), self)
+                                   cancel=cancel, **params), self)
 
     def chat(self, system: str | None = None, overflow: str = "refuse") -> "Chat":
         """A multi-turn conversation on this engine (`Chat`)."""
+        self._check_open()
         return Chat(self, system, overflow)
 
     def drafter_state(self):
         """A copy of what drafting has learned from earlier answers (Token Recycling's tables, acceptance
         statistics): `set_drafter_state` puts it back, e.g. so a benchmark's repeats never draft from their own
         earlier answers."""
+        self._check_open()
         return copy.deepcopy((self.recycling, *self.policy.state()))
 
     # both change state a running generation uses (a reset under a live stream used to empty the KV cache beneath
     # it: the rest of that answer came from an empty context, silently), so both hold the engine
     def set_drafter_state(self, state) -> None:
         with _holding(self._lock, f"cannot set the drafter state while this engine is generating ({BUSY_HINT})"):
+            self._check_open()
             self.recycling, *learned = copy.deepcopy(state)
             self.policy.set_state(tuple(learned))
 
     def reset(self, keep_drafter_state: bool = False) -> None:
         """Forget the KV cache; Token Recycling's matrix and the lookup history survive only if asked."""
         with _holding(self._lock, f"cannot reset while this engine is generating ({BUSY_HINT})"):
+            self._check_open()
             self._rewind_to(0)
             if not keep_drafter_state:
                 self.recycling = RecyclingDrafter(self.manifest.arch["vocab"], chains_only=not self.target.tree_exact)
@@ -717,7 +799,8 @@ def _open_codec(model_dir: Path, m) -> TextCodec:
     """The export's tokenizer and chat template, refused with the fix named when missing or not this model's."""
     tok = model_dir / m.tokenizer
     if not tok.is_file():
-        raise ModelDirError(f"{tok}: tokenizer missing; re-run edge-export")
+        raise ModelDirError(f"{tok}: tokenizer missing; re-run edge-export: "
+                            f"{reexport_command(model_dir, m.source.get('path'))}")
     try:
         codec = TextCodec(tok, m.chat_template, m.special_tokens.get("bos"), tuple(m.special_tokens.get("eos") or ()))
     except Exception as e:  # the tokenizers library raises a bare Exception for a file it cannot parse
@@ -809,6 +892,9 @@ class Chat:
             self.messages = [{"role": "system", "content": self.system}] if self.system else []
 
     def send(self, text: str, *, special_tokens_in_content: bool = False, **kw) -> Iterator[Chunk]:
+        """Send `text` as the next user message and stream the answer (`Engine.stream`'s parameters). The answer
+        joins the history with what was shown, even when the stream is closed or cancelled early; a turn refused or
+        cancelled before anything was shown leaves the history as it was (`ContextFull` when it does not fit)."""
         if not isinstance(text, str):
             raise EngineError(f"a chat message is a string (got {type(text).__name__})")
         if not text.strip():
@@ -835,7 +921,9 @@ class Chat:
                         n, ctx, alone)
                 for ch in self.engine.stream(self.prompt, special_tokens_in_content=special_tokens_in_content, **kw):
                     answer.append(ch.text)
-                    started = True
+                    started = started or bool(ch.token_ids) or bool(ch.text)
+                    if ch.finish_reason == CANCELLED and not started:  # stopped before anything was shown
+                        self.messages[:], self.dropped = kept, dropped
                     yield ch
             except Exception:  # (an interrupt keeps the turn with what was shown, even nothing)
                 if not started:  # refused (or failed) before anything was shown: the history stays as it was
@@ -846,4 +934,5 @@ class Chat:
                     self.messages.append({"role": "assistant", "content": "".join(answer)})
 
     def ask(self, text: str, **kw) -> GenerationResult:
+        """Send `text` as the next user message and return the whole answer (`send`'s arguments)."""
         return collect(self.send(text, **kw), self.engine)

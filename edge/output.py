@@ -1,5 +1,6 @@
 """The output side of one answer: which of the tokens a step produced are emitted (EOS, max_tokens, stop strings) and
-their text as chunks that never split a UTF-8 character nor show part of a stop string."""
+their text as chunks that never split a UTF-8 character nor show part of a stop string; an answer cut off by
+max_tokens or the context inside a character ends before it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,6 +10,9 @@ from .text import StreamDecoder
 
 @dataclass
 class Chunk:
+    """A piece of a streamed answer: its text (whole characters), the token ids it came from, how many of them were
+    draft tokens the target accepted, and on the last chunk the finish_reason ("stop", "length" or "cancelled",
+    as `GenerationResult`'s)."""
     text: str
     token_ids: list[int]
     drafted: int  # how many of token_ids were drafter tokens the target accepted
@@ -57,9 +61,22 @@ class AnswerText:
             finish = "length"  # context window full
         if finish is not None:
             if cut < 0:
-                self.text += self.decoder.flush()
+                self._flush(cut_off=finish == "length")
             return Chunk(self.text[self.sent :], new, drafted, finish)
         safe = max(self.sent, len(self.text) - self.hold) if self.stop else len(self.text)  # never a negative end
         chunk = Chunk(self.text[self.sent : safe], new, drafted)
         self.sent = max(self.sent, safe)
         return chunk
+
+    def end(self, reason: str) -> Chunk:
+        """The last chunk of an answer ended from outside (`Engine.cancel`): the text held back so far (a possible
+        stop string's start; a character's first bytes are dropped, as at a limit) and no new tokens."""
+        self._flush(cut_off=True)
+        return Chunk(self.text[self.sent :], [], 0, reason)
+
+    def _flush(self, cut_off: bool) -> None:
+        """Add what the decoder still holds. An answer cut off (a limit, a cancel) inside a character drops the
+        character's first bytes rather than show U+FFFD (as llama.cpp's server does); an answer the model ended
+        keeps what it wrote."""
+        tail = self.decoder.flush()
+        self.text += tail.rstrip("\ufffd") if cut_off else tail

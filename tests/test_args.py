@@ -86,4 +86,56 @@ def test_engine_flags_shared_by_chat_and_serve():
     load_kw = set(inspect.signature(edge.load).parameters)
     chat = {a.dest for a in chat_parser()._actions} & load_kw
     serve = {a.dest for a in serve_parser()._actions} & load_kw
-    assert chat == serve and {"drafter", "threads", "context", "budget_mb"} <= serve
+    assert chat == serve and {"drafter", "threads", "context", "budget_mb", "verify"} <= serve
+
+
+def test_commands_print_warnings_as_one_line_naming_the_command(capsys):
+    """A warning a command prints (more threads than cores, say) is one line with the command's name, not Python's
+    file:line and source line of edgespec's code."""
+    import warnings
+
+    from edge.args import plain_warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        plain_warnings("edge-chat")
+        warnings.warn("3 threads on the 2 cores", RuntimeWarning)
+    assert capsys.readouterr().err == "edge-chat: warning: 3 threads on the 2 cores\n"
+
+
+@pytest.mark.parametrize("module,prog", [("edge.chat", "edge-chat"), ("edge.server.app", "edge-serve"),
+                                         ("edge.tools.bench", "edge-bench"), ("edge.tools.profile", "edge-profile"),
+                                         ("export.cli", "edge-export")])
+def test_every_command_installs_the_one_line_warnings(monkeypatch, module, prog):
+    import importlib
+
+    import edge.args
+
+    mod = importlib.import_module(module)
+    seen = []
+    monkeypatch.setattr(edge.args, "plain_warnings", seen.append)
+    if hasattr(mod, "plain_warnings"):
+        monkeypatch.setattr(mod, "plain_warnings", seen.append)
+    monkeypatch.setattr(mod, "_parser", lambda: _Stop())
+    with pytest.raises(_Stopped):
+        mod.main([])
+    assert seen == [prog]
+
+
+class _Stopped(Exception):
+    pass
+
+
+class _Stop:
+    """A parser whose parse_args gives arguments that stop main() when it first reads one."""
+
+    def parse_args(self, argv):
+        return _Halt()
+
+    def error(self, msg):
+        raise _Stopped
+
+
+class _Halt:
+    def __getattr__(self, name):
+        raise _Stopped

@@ -166,6 +166,11 @@ def test_load_from_a_path(tmp_path):
         load_profile(str(tmp_path / "broken.json"))
     with pytest.raises(ProfileError, match="no such"):
         load_profile(str(tmp_path / "absent.json"))
+    with pytest.raises(ProfileError, match="a folder, not"):
+        load_profile(str(tmp_path) + "/")
+    (tmp_path / "binary.json").write_bytes(b"\xfc\x00GGUF")
+    with pytest.raises(ProfileError, match="binary.json: cannot read it as a device profile"):
+        load_profile(str(tmp_path / "binary.json"))
 
 
 BASE = load_profile("snapdragon-x-npu").to_dict()

@@ -116,3 +116,38 @@ def test_sessions_stop_spinning_when_a_call_ends():
     so = session_options(2)
     assert so.get_session_config_entry("session.force_spinning_stop") == "1"
     assert so.intra_op_num_threads == 2
+
+
+def test_threads_default_to_two_capped_by_the_usable_cores_and_more_than_cores_warns(monkeypatch):
+    """No --threads: 2, or the cores this process may use if fewer (a 1-core container is not oversubscribed).
+    Asking for more threads than cores is allowed with a warning (measured several times slower)."""
+    import warnings
+
+    import devices
+    from edge.runner import DEFAULT_THREADS, check_threads
+
+    for cores, want in ((1, 1), (2, 2), (16, DEFAULT_THREADS)):
+        monkeypatch.setattr(devices, "usable_cores", lambda c=cores: c)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert check_threads(None) == want
+            assert check_threads(cores) == cores
+    monkeypatch.setattr(devices, "usable_cores", lambda: 2)
+    with pytest.warns(RuntimeWarning, match="3 threads on the 2 cores.*--threads 2"):
+        assert check_threads(3) == 3
+
+
+def test_usable_cores_follow_the_affinity_mask_else_the_cpu_count(monkeypatch):
+    """A container or `taskset` narrows the affinity mask below the machine's CPUs; an OS without the call (macOS)
+    falls back to the CPU count."""
+    import os
+
+    from devices import usable_cores
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 3}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert usable_cores() == 2
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert usable_cores() == 64
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert usable_cores() == 1
