@@ -182,6 +182,12 @@ class CompactBpe:
     def get_added_tokens_decoder(self) -> dict[int, AddedToken]:
         return dict(self._decoder)
 
+    def max_token_chars(self) -> int:
+        """No token stands for more characters of text than this: the longest piece's UTF-8 length, or the longest
+        added token's (the normalizer only turns spaces into "▁" and may prepend one, so text never shrinks)."""
+        pieces = int(np.diff(np.asarray(self._off)).max(initial=0))
+        return max([pieces] + [len(c) for c in self._added])
+
     def id_to_token(self, i: int) -> str | None:
         return self._piece(i) if 0 <= i < self._size else None
 

@@ -72,6 +72,31 @@ def test_encodes_as_the_library_does(pair):
             assert got.offsets == want.offsets, (t, add)
 
 
+def test_no_token_stands_for_more_characters_than_its_bound(pair):
+    """`max_token_chars` bounds what one token covers of any text (edge-serve refuses prompts by it before
+    tokenizing them), and is reached by some token."""
+    lib, compact = pair
+    bound = compact.max_token_chars()
+    widest = 0
+    for t in texts():
+        for a, b in compact.encode(t, add_special_tokens=False).offsets:
+            assert b - a <= bound, (t, a, b)
+            widest = max(widest, b - a)
+    assert bound == max(len(p.encode("utf-8")) for p in lib.get_vocab(with_added_tokens=True))
+    assert widest >= 3  # the test's texts do reach multi-character tokens
+
+
+def test_the_server_bounds_prompt_text_by_the_compact_tables(pair, caplog):
+    from types import SimpleNamespace
+
+    from edge.server.app import prompt_limits
+
+    compact = pair[1]
+    lim = prompt_limits(SimpleNamespace(context=10, codec=SimpleNamespace(tok=compact, byte_level=False)))
+    assert (lim.unit, lim.span) == ("characters", compact.max_token_chars())
+    assert not caplog.records  # no "no text-size bound" warning
+
+
 def test_control_tokens_as_text_as_the_library_does(pair):
     lib, compact = pair
     lib.encode_special_tokens = True

@@ -18,7 +18,7 @@ import pytest
 import edge
 from edge.engine import Chunk
 from helpers import start_edge_serve
-from edge.server.app import ApiError, Request, Job, Worker, parse_chat_request
+from edge.server.app import MAX_STOP, ApiError, Request, Job, Worker, parse_chat_request
 from edge.tools.serve_load import run_conversation, run_load
 
 MAX_QUEUE = 1  # small, so the load test meets the bounded queue
@@ -221,6 +221,44 @@ def test_worker_stops_a_cancelled_generation_and_rolls_back(tiny_dir, plain_refe
     assert text == plain_reference(CONV, max_tokens=20).text
 
 
+def test_a_client_that_leaves_during_prefill_stops_it_at_the_next_chunk(tiny_dir, monkeypatch):
+    """A long prompt's prefill (seconds on a real model) is not finished for a client that left: the worker
+    cancels the engine, which stops between prefill chunks, and the next request is served."""
+    engine = edge.load(tiny_dir, drafter="none", context=256)
+    monkeypatch.setattr(engine, "_prefill_chunk", lambda: 4)
+    worker = Worker(engine)
+    chunks_done, in_prefill, withdrawn = [], threading.Event(), threading.Event()
+    prefill = engine.target.prefill
+
+    def slow(tokens, chunk, stop=None):
+        def ask():  # before each chunk; the second waits until the client has left
+            chunks_done.append(1)
+            if len(chunks_done) == 2:
+                in_prefill.set()
+                assert withdrawn.wait(30)
+            return stop()
+        return prefill(tokens, chunk, ask)
+
+    monkeypatch.setattr(engine.target, "prefill", slow)
+    long = [{"role": "user", "content": "word " * 50}]
+    job = _job(long, max_tokens=8)
+    worker.start()
+    try:
+        worker.submit(job)
+        assert in_prefill.wait(30), job.items
+        job.cancel.set()
+        worker.withdraw(job)  # what the disconnect watcher does
+        withdrawn.set()
+        assert job.done.wait(30)
+        assert [k for k, _ in job.items] == ["done"] and worker.counts["cancelled"] == 1
+        assert len(chunks_done) == 2  # of 40-odd chunks: stopped before the second
+        nxt = _job(CONV, max_tokens=4)
+        worker.submit(nxt)
+        assert nxt.done.wait(30) and nxt.items[-1][0] == "done"
+    finally:
+        worker.stop()
+
+
 def test_full_queue_is_a_503():
     worker = Worker(engine=None, max_queue=1)  # not started: nothing leaves the queue
     worker.submit(_job(CONV))
@@ -354,14 +392,22 @@ def test_web_pages_of_other_sites_are_refused_before_any_work(server):
             conn.close()
     after = _idle(server)
     assert after["completed"] - before["completed"] == 3  # the refused ones never reached the engine
-    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=60)  # a browser's pre-check of an allowed page
+    # a browser's pre-check of an allowed page, and Chromium's Private Network Access check
+    status, headers = _preflight(server, {"Access-Control-Request-Headers": "content-type, authorization"})
+    assert status == 200 and "POST" in headers["access-control-allow-methods"]
+    status, headers = _preflight(server, {"Access-Control-Request-Private-Network": "true"})
+    assert status == 200 and headers["access-control-allow-private-network"] == "true"
+
+
+def _preflight(port, extra: dict) -> tuple[int, dict]:
+    """A browser's CORS preflight of a POST from a page on localhost → (status, lower-cased headers)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
         conn.request("OPTIONS", "/v1/chat/completions", headers={
-            "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST",
-            "Access-Control-Request-Headers": "content-type, authorization"})
+            "Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST", **extra})
         r = conn.getresponse()
         r.read()
-        assert r.status == 200 and "POST" in r.getheader("access-control-allow-methods")
+        return r.status, {k.lower(): v for k, v in r.getheaders()}
     finally:
         conn.close()
 
@@ -439,7 +485,8 @@ BAD = [
     ("max_tokens zero", {"messages": _msgs("user"), "max_tokens": 0}, "max_tokens", "invalid_value"),
     ("max_tokens float", {"messages": _msgs("user"), "max_tokens": 2.5}, "max_tokens", "invalid_value"),
     ("seed string", {"messages": _msgs("user"), "seed": "x"}, "seed", "invalid_value"),
-    ("too many stops", {"messages": _msgs("user"), "stop": list("abcde")}, "stop", "invalid_value"),
+    ("too many stops", {"messages": _msgs("user"), "stop": [f"s{i}" for i in range(MAX_STOP + 1)]}, "stop",
+     "invalid_value"),
     ("n > 1", {"messages": _msgs("user"), "n": 2}, "n", "invalid_value"),
     ("stream not bool", {"messages": _msgs("user"), "stream": "yes"}, "stream", "invalid_value"),
     ("stream_options without stream", {"messages": _msgs("user"), "stream_options": {"include_usage": True}},

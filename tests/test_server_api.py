@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import serving
-from edge.engine import MAX_DRAFT_LEN, Chunk, EngineError, Stats
+from edge.engine import MAX_DRAFT_LEN, BadMessage, Chunk, EngineError, Stats
 from edge.manifest import ModelDirError
-from edge.server.app import MAX_BODY, ApiError, Job, Request, Worker, parse_chat_request
+from edge.server.app import MAX_BODY, MAX_STOP, ApiError, Job, Request, Worker, parse_chat_request
 from helpers import http_call, http_send, sse_events
 
 
@@ -30,10 +30,12 @@ def _parse(**fields) -> Request:
 # ------------------------------------------------------------------------------ request parsing
 
 def test_range_limits_are_inclusive():
-    """The documented bounds are accepted: temperature 2, top_p 1, max_tokens 1, four stop strings, draft_len 0 and
-    its maximum."""
-    p = _parse(temperature=2, top_p=1, max_tokens=1, stop=["a", "b", "c", "d"]).params
-    assert (p["temperature"], p["top_p"], p["max_tokens"], p["stop"]) == (2.0, 1.0, 1, ("a", "b", "c", "d"))
+    """The documented bounds are accepted: temperature 2, top_p 1, max_tokens 1, MAX_STOP stop strings (more than
+    OpenAI's 4: editors' completion templates send 5-10, as llama-server takes), draft_len 0 and its maximum."""
+    stops = tuple(f"s{i}" for i in range(MAX_STOP))
+    assert MAX_STOP > 4
+    p = _parse(temperature=2, top_p=1, max_tokens=1, stop=list(stops)).params
+    assert (p["temperature"], p["top_p"], p["max_tokens"], p["stop"]) == (2.0, 1.0, 1, stops)
     assert _parse(max_completion_tokens=1).params["max_tokens"] == 1
     for k in (0, MAX_DRAFT_LEN):
         assert _parse(edgespec={"draft_len": k}).params["draft_len"] == k
@@ -217,6 +219,7 @@ def test_a_shutdown_during_the_last_chunk_still_delivers_the_answer():
 @pytest.mark.parametrize("fail,status,code,param,outcome", [
     (ModelDirError("this export has no drafter model"), 400, "unsupported_drafter", "edgespec.drafter", "invalid"),
     (EngineError("no such thing"), 400, "invalid_request", None, "invalid"),
+    (BadMessage("empty prompt: nothing to continue from", "prompt"), 400, "invalid_request", "prompt", "invalid"),
     (RuntimeError("boom"), 500, None, None, "failed")])
 def test_engine_errors_are_answered_and_counted(fail, status, code, param, outcome):
     engine = ScriptEngine(fail=fail, fail_at=0)
@@ -347,6 +350,19 @@ def test_unknown_paths_health_and_no_reuse():
         h = _health(port)
     assert h["reuse"] is False and h["max_queue"] == 3 and h["model"] == "fake-model" and h["context"] == 1000
     assert engine.resets == [True]
+
+
+def test_routes_without_v1_and_the_allow_header_of_a_405():
+    """Clients given the bare address (as for llama-server) reach the same routes without /v1; a method a route does
+    not take is a 405 JSON error that says which ones it does (Allow)."""
+    with _serving(ScriptEngine()) as (port, _):
+        for path in ("/chat/completions", "/v1/chat/completions"):
+            assert http_call(port, {"messages": MSGS}, "POST", path)[0] == 200, path
+        for path in ("/models", "/v1/models", "/models/fake-model"):
+            assert http_call(port, None, "GET", path)[0] == 200, path
+        status, headers, raw = http_call(port, None, "GET", "/v1/chat/completions")
+        assert status == 405 and json.loads(raw)["error"]["code"] == "method_not_allowed"
+        assert "POST" in {k.lower(): v for k, v in headers.items()}["allow"]
 
 
 def test_a_client_that_leaves_while_queued_frees_its_slot_at_once():

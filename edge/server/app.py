@@ -40,7 +40,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..drafters import DRAFTER_CHOICES
-from ..engine import DEFAULT_MAX_TOKENS, MAX_DRAFT_LEN, BadMessage, EngineError, base_model, normalize_messages
+from ..engine import (CANCELLED, DEFAULT_MAX_TOKENS, MAX_DRAFT_LEN, BadMessage, EngineError, base_model,
+                      normalize_messages)
 from ..manifest import ModelDirError
 from ..text import valid_text
 
@@ -49,7 +50,7 @@ log = logging.getLogger("edge.server")
 # A request body is held and parsed whole, and JSON parsing costs up to ~27 bytes of memory per body byte (a body
 # of `[{}, {}, ...]`); 1 MiB is ~60 times a prompt that fills a 4096-token context (--max-body-mb)
 MAX_BODY = 1 << 20
-MAX_STOP = 4  # OpenAI's limit
+MAX_STOP = 32  # OpenAI allows 4; llama-server and Ollama take any number, and editors send 5-10
 SHUTDOWN_GRACE_S = 5  # after Ctrl-C / SIGTERM, uvicorn's wait for open requests (each was told to stop already)
 MAX_CONNECTIONS = 512  # open connections (--max-connections); a browser opens at most 6 per host
 HEADER_TIMEOUT_S = 10.0  # a connection's request head must arrive within this (--header-timeout)
@@ -202,6 +203,8 @@ def prompt_limits(engine) -> PromptLimits:
     tok = getattr(codec, "tok", None)
     if tok is None:
         return PromptLimits(context)
+    if hasattr(tok, "max_token_chars"):  # edge.bpe.CompactBpe: its own bound
+        return PromptLimits(context, tok.max_token_chars(), "characters")
     try:
         shrink = _normalizer_shrink(tok.normalizer)
         if shrink is None:
@@ -539,7 +542,7 @@ class Worker:
             dropped = list(self.waiting)
             self.waiting.clear()  # the same deque: a submit this handler interrupted appends where drain looks
             if self.current is not None:
-                self.current.cancel.set()
+                self.current.cancel.set()  # the engine reads it too: a prefill stops at its next chunk
             self._cv.notify_all()
         for job in dropped:
             job.emit("error", _shutting_down())
@@ -622,9 +625,14 @@ class Worker:
                 raise _too_long(req.param, str(n), e.context)
             if not self.reuse:
                 e.reset(keep_drafter_state=True)  # measure reuse's effect: prefill every prompt in full
-            stream, stopped = e.stream(req.prompt, raw=req.raw, **req.params), False
+            # the job's flag, set when its client leaves or the server shuts down, is the engine's cancel too: it
+            # stops a long prompt's prefill at the next chunk, even one that has not begun yet
+            stream, stopped = e.stream(req.prompt, raw=req.raw, cancel=job.cancel, **req.params), False
             try:
                 for ch in stream:
+                    if ch.finish_reason == CANCELLED:  # its client left, or a shutdown
+                        stopped = True
+                        break
                     job.emit("chunk", ch)
                     if ch.finish_reason is None and job.cancel.is_set():
                         stopped = True
@@ -641,7 +649,8 @@ class Worker:
         except ModelDirError as x:  # e.g. a drafter this export does not have
             return self._end(job, "invalid", "error", ApiError(400, str(x), "edgespec.drafter", "unsupported_drafter"))
         except EngineError as x:
-            return self._end(job, "invalid", "error", ApiError(400, str(x), None, "invalid_request"))
+            param = getattr(x, "param", None)  # a BadMessage names the part of the request
+            return self._end(job, "invalid", "error", ApiError(400, str(x), param, "invalid_request"))
         except Exception as x:  # a bug: answer 500, keep serving
             log.exception("generation failed")
             return self._end(job, "failed", "error", ApiError(500, f"internal error: {type(x).__name__}: {x}"))
@@ -948,8 +957,10 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
         return error_response(e)
 
     async def on_http_error(request, e: HTTPException):
-        return error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
-                                       code="not_found" if e.status_code == 404 else None))
+        r = error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                    code={404: "not_found", 405: "method_not_allowed"}.get(e.status_code)))
+        r.headers.update(e.headers or {})  # a 405's Allow
+        return r
 
     async def on_crash(request, e: Exception):
         log.exception("request failed")
@@ -963,17 +974,22 @@ def create_app(engine, max_queue: int = 8, reuse: bool = True, default_max_token
         finally:
             worker.stop()
 
-    app = Starlette(routes=[Route(ENDPOINTS[0], chat_completions, methods=["POST"]),
-                            Route(ENDPOINTS[1], completions, methods=["POST"]),
-                            Route("/v1/models", models), Route("/v1/models/{model:path}", model),
-                            Route("/health", health)],
+    # every route also without its /v1, as llama-server serves them, for clients given the bare address
+    routes = [(ENDPOINTS[0], chat_completions, ["POST"]), (ENDPOINTS[1], completions, ["POST"]),
+              ("/v1/models", models, None), ("/v1/models/{model:path}", model, None)]
+    app = Starlette(routes=[Route(path, fn, methods=methods) for v1, fn, methods in routes
+                            for path in (v1, v1.removeprefix("/v1"))] + [Route("/health", health)],
                     exception_handlers={ApiError: on_api_error, HTTPException: on_http_error, Exception: on_crash},
                     lifespan=lifespan,
                     # allowed pages get CORS answers (and their preflight); the guards have refused all others
                     middleware=[Middleware(_HostGuard, allowed=allow_hosts, bound=bound_host),
                                 Middleware(_OriginGuard, allowed=allow_origins),
                                 Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET", "POST"],
-                                           allow_headers=["*"])])
+                                           allow_headers=["*"],
+                                           # Chromium's Private Network Access preflight (a page on a public site
+                                           # reaching this loopback server); only pages the origin guard let
+                                           # through get that far
+                                           allow_private_network=True)])
     app.state.worker = worker
     return app
 
@@ -1270,6 +1286,9 @@ def _listen_check(host: str, port: int):
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
+    from ..args import plain_warnings
+
+    plain_warnings("edge-serve")
     if a.max_queue < 0 or a.max_tokens < 1 or not 0 <= a.port < 65536:
         print("edge-serve: error: --max-queue must be >= 0, --max-tokens >= 1, --port in [0, 65535]", file=sys.stderr)
         return 2
