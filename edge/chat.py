@@ -14,7 +14,7 @@ import sys
 import time
 
 from .args import (add_engine_args, add_model_arg, add_version, chat_context_problem, messages, non_empty,
-                   non_negative_float, non_negative_int, positive_int, unit_fraction, was_interrupted)
+                   non_negative_float, non_negative_int, plain_warnings, positive_int, unit_fraction, was_interrupted)
 from .engine import DEFAULT_CONTEXT, DEFAULT_MAX_TOKENS
 from .measure import peak_rss_mb
 
@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                     "is exported into the cache on first run (about two minutes) and reused afterwards.",
         epilog=HELP + "\nCtrl-C stops the current answer (or clears the line being typed) and keeps the conversation; "
                       "Ctrl-D or /quit exits.\nWith input piped in, each non-empty line (or multi-line block) is a "
-                      "turn, and stdout carries only the answers\n(notes and counters go to stderr).\n" + BASE_HELP,
+                      "turn, and stdout carries only the answers\n(notes and counters go to stderr); a refused turn "
+                      "makes the exit status 2, and Ctrl-C ends the session (130).\n" + BASE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(ap)
     add_engine_args(ap)
@@ -63,9 +64,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="keep the REPL's line history in memory only (default: also in $EDGESPEC_HOME/chat_history, "
                          f"the last {HISTORY_LINES} lines, readable by you alone)")
     ap.add_argument("--plan", action="store_true",
-                    help="print a report of the memory plan (drafter, K / tree nodes, predicted peak MB for plain and "
-                         "speculative decoding, both lower bounds) for --device/--budget-mb/--context (and "
-                         "--drafter, --calibration, --temp > 0 for sampling) and exit without loading the model; exit "
+                    help="print a report of the memory plan at the full context (drafter, K / tree nodes, predicted "
+                         "peak MB for plain and speculative decoding, both lower bounds) for --device/--budget-mb/"
+                         "--context (and --drafter, --calibration, --temp > 0 for sampling) and exit without loading "
+                         "the model; exit "
                          "status 0 when the plan fits the budget, 3 when it does not; with --json as one JSON "
                          "object")
     ap.add_argument("--prompt", help="answer this one prompt and exit (no REPL)")
@@ -151,8 +153,10 @@ def _stats_text(info: dict) -> str:
     return _rows(rows)
 
 
-def _plan_text(rep: dict, model: str, sampling: bool) -> str:
-    """`edge-chat --plan` for a reader: the report of `plan_report`, one fact a line, the verdict stated plainly."""
+def _plan_text(rep: dict, model: str, sampling: bool, start: dict | None = None, max_tokens: int = 0) -> str:
+    """`edge-chat --plan` for a reader: the report of `plan_report`, one fact a line, the verdict stated plainly.
+    The report is for the full context (a chat's last turn); `start`, the plan a short first question with
+    `max_tokens` gets (the engine re-plans every request for the context it can reach)."""
     p, peak = rep.get("plan"), rep.get("predicted_peak_mb") or {}
     spec = rep["min_budget_speculative_mb"]
     rows = [("model", model),
@@ -165,16 +169,21 @@ def _plan_text(rep: dict, model: str, sampling: bool) -> str:
             ("speculation needs", "(no speculative plan is predicted faster than plain decoding)" if spec is None
              else f"at least {spec:,.1f} MB")]
     if p:
-        rows += [("plan", _drafts_shape(p["drafter"], p["tree"], p["nodes"])),
+        rows += [("plan", _drafts_shape(p["drafter"], p["tree"], p["nodes"]) + ", with the context full"),
                  ("predicted speed", f"{p['tokens_per_s']:,.1f} tok/s, {p['speedup']:.2f}x plain decoding"),
                  ("predicted peak", f"{peak['speculative']:,.1f} MB (plain decoding {peak['plain']:,.1f} MB)"),
-                 ("holds up to", f"{p['max_context']:,} tokens before it re-plans"),
-                 ("verdict", f"fits: {peak['speculative']:,.1f} MB of the {rep['budget_mb']:,.1f} MB budget")]
+                 ("holds up to", f"{p['max_context']:,} tokens before it re-plans")]
+        if start:
+            rows.append(("at a chat's start", f"{_drafts_shape(start['drafter'], start['tree'], start['nodes'])}, "
+                                              f"{start['speedup']:.2f}x plain decoding (a short first question with "
+                                              f"--max-tokens {max_tokens:,}; re-planned every turn as the chat grows)"))
+        rows.append(("verdict", f"fits: {peak['speculative']:,.1f} MB of the {rep['budget_mb']:,.1f} MB budget"))
     else:
         rows.append(("verdict", "does not fit"))
         if rep.get("error"):
             rows.append(("why", rep["error"]))
-    return "memory plan (predicted from the manifest; the model was not loaded)\n" + _rows(rows)
+    return (f"memory plan at the full {rep['context']:,}-token context (predicted from the manifest; the model was "
+            "not loaded)\n" + _rows(rows))
 
 
 # ---------------------------------------------------------------------------------------------- the terminal
@@ -237,12 +246,27 @@ def _colored(text: str, drafted: bool) -> str:
     return f"{DRAFT_COLOR}{text}{RESET_COLOR}" if drafted and text else text
 
 
+class OutputError(Exception):
+    """stdout refused a write (a full disk, /dev/full); main() says so in one line. A closed pipe stays
+    BrokenPipeError, ended quietly."""
+
+
+def _emit(text: str) -> None:
+    """Writes `text` to stdout at once (OutputError when it cannot be written)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise OutputError(e.strerror or str(e)) from None
+
+
 def _show(chunks, painter=None) -> tuple[str | None, int]:
     """Streams an answer to stdout; (its finish reason, its token count)."""
     finish, n = None, 0
     for ch in chunks:
-        sys.stdout.write(painter.paint(ch) if painter else ch.text)
-        sys.stdout.flush()
+        _emit(painter.paint(ch) if painter else ch.text)
         finish, n = ch.finish_reason or finish, n + len(ch.token_ids)
     return finish, n
 
@@ -280,6 +304,7 @@ class Lines:
 
     def __init__(self, interactive: bool, history=None):
         self.interactive, self.history, self.readline = interactive, history, None
+        _replacing_stdin(interactive)
         if not interactive:
             return
         try:
@@ -326,6 +351,18 @@ class Lines:
             print(f"edge-chat: note: history not saved to {self.history} ({e.strerror or e})", file=sys.stderr)
 
 
+def _replacing_stdin(interactive: bool) -> None:
+    """An invalid byte read becomes U+FFFD, as in --prompt's text, instead of a UnicodeDecodeError that ended the
+    session under a strict locale (en_US.UTF-8): piped input is read as UTF-8 in every locale, a terminal in its own."""
+    try:
+        if interactive:
+            sys.stdin.reconfigure(errors="replace")
+        else:
+            sys.stdin.reconfigure(encoding="utf-8", errors="replace")
+    except (AttributeError, ValueError, OSError):  # a replaced stdin, or one already read from: left as it is
+        pass
+
+
 def read_turn(ask) -> tuple[str, bool]:
     """The next turn from `ask(prompt)`: (text, is_block). A line whose text starts with \"\"\" opens a block that
     ends at a line ending with \"\"\" (Ollama's multi-line input); the block, without the quotes and the line breaks
@@ -366,15 +403,19 @@ def _command(cmd: str, engine, chat, last) -> bool:
     return True
 
 
-def _answer(engine, chat, a, line: str, color: bool):
+def _answer(engine, chat, a, line: str, color: bool, interactive: bool = True):
     """One turn: the answer streamed to stdout, then a note if the context cut it and the stats line (stderr).
-    The Stats of the turn, or None when it was refused (nothing generated)."""
+    The Stats of the turn, or None when it was refused (nothing generated). Ctrl-C stops the answer and keeps the
+    chat on a terminal; with input piped in it ends the session (KeyboardInterrupt), as it ends --prompt."""
     stream = chat.send(line, **_params(a), drafter=a.drafter)
     try:
         finish, n = _show(stream, DraftColors(engine.codec, engine.eos) if color else None)
-        print()
+        _emit("\n")
     except KeyboardInterrupt:
         stream.close()  # the chat keeps what was shown; the KV cache is rolled back to it
+        if not interactive:
+            _emit("\n")  # what was shown stays shown, on a line of its own
+            raise
         print("\n(stopped)", file=sys.stderr)
         finish = n = None
     except Exception as e:  # keep the session alive on a bad request
@@ -414,22 +455,26 @@ def _repl(engine, a) -> int:
         legend = f" · {DRAFT_COLOR}accepted drafts in cyan{RESET_COLOR}" if color else ""
         print(f"edgespec · {engine.manifest.name} · drafter {engine.default_drafter}{legend}\n{HELP}",
               file=sys.stderr)
-    last = None
+    last, failed = None, False
     try:
         while True:
             try:
                 line, block = read_turn(lines.ask)
                 cmd = "" if block else line.strip()
                 if cmd in ("/quit", "/exit"):
-                    return 0
+                    return 2 if failed else 0
                 if cmd.startswith("/") and _command(cmd, engine, chat, last):
                     continue
                 if line.strip():
-                    last = _answer(engine, chat, a, line, color) or last
+                    st = _answer(engine, chat, a, line, color, interactive)
+                    # piped in, a refused turn is said on stderr and the session goes on, but it exits 2 (as
+                    # --prompt does) so a script sees it
+                    failed = failed or (st is None and not interactive)
+                    last = st or last
             except EOFError:
                 if interactive:
                     print(file=sys.stderr)
-                return 0
+                return 2 if failed else 0
             except KeyboardInterrupt:  # on a terminal, Ctrl-C outside an answer clears the line, as in a shell
                 if not interactive:
                     raise
@@ -460,26 +505,43 @@ def _print_plan(a) -> int:
         print(f"edge-chat: error: --context {a.context} is more than the {m.target.max_len} tokens {d} was exported "
               "for", file=sys.stderr)
         return 2
-    rep = plan_report(m, profile, a.context or min(DEFAULT_CONTEXT, m.target.max_len), a.budget_mb,
-                      drafter=a.drafter, sampling=a.temp > 0)  # the plan the engine would run for these flags
-    print(json.dumps(rep) if a.json else _plan_text(rep, m.name, a.temp > 0))
+    context = a.context or min(DEFAULT_CONTEXT, m.target.max_len)
+    rep = plan_report(m, profile, context, a.budget_mb, drafter=a.drafter,
+                      sampling=a.temp > 0)  # the plan the engine would run for these flags, at the full context
+    if a.json:
+        _emit(json.dumps(rep) + "\n")
+    else:
+        start = None
+        if rep["plan"]:  # a first request plans for its prompt plus --max-tokens (Engine._plan_request)
+            start = plan_report(m, profile, context, a.budget_mb, at=min(rep["plan"]["context"], a.max_tokens),
+                                drafter=a.drafter, sampling=a.temp > 0)["plan"]
+        _emit(_plan_text(rep, m.name, a.temp > 0, start, a.max_tokens) + "\n")
     return 0 if rep["fits"] else 3
 
 
 def main(argv=None) -> int:
     ap = _parser()
     a = ap.parse_args(argv)
+    plain_warnings("edge-chat")
     if a.json and a.prompt is None and not a.plan:
         ap.error("--json needs --prompt (or --plan)")
     if a.simulate and a.device is None:
         ap.error("--simulate runs a --device profile on the CPU: give --device")
     if a.prompt is not None and not a.prompt.strip():
         ap.error("--prompt is empty")
+    unused = [f for f, on in (("--top-k", a.top_k), ("--top-p", a.top_p != 1.0), ("--seed", a.seed is not None)) if on]
+    if unused and a.temp == 0 and not a.plan:
+        print(f"edge-chat: note: {'/'.join(unused)} only shape sampling, and --temp 0 (the default) decodes greedily; "
+              "add --temp, e.g. --temp 0.7", file=sys.stderr)
     try:
         return _main(a)
     except BrokenPipeError:  # stdout closed early (edge-chat ... | head): stop quietly, as a SIGPIPE'd tool would
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
         return 141
+    except OutputError as e:  # a full disk, /dev/full
+        print(f"edge-chat: error: cannot write the output: {e}", file=sys.stderr)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is unwritten is not retried at exit
+        return 1
     except (KeyboardInterrupt, ImportError) as e:
         if not was_interrupted(e):
             raise
@@ -498,7 +560,7 @@ def _main(a) -> int:
             return _print_plan(a)
         t = time.perf_counter()
         engine = edge.load(a.model, drafter=a.drafter, device=a.device, budget_mb=a.budget_mb, threads=a.threads,
-                           context=a.context, simulate=a.simulate, calibration=a.calibration)
+                           context=a.context, simulate=a.simulate, calibration=a.calibration, verify=a.verify)
         load_s = time.perf_counter() - t
         problem = chat_context_problem(engine, a.system)
         if problem:
@@ -518,9 +580,9 @@ def _main(a) -> int:
             finish, n = _show(stream, DraftColors(engine.codec, engine.eos) if _use_color(a.color) else None)
         except KeyboardInterrupt:
             stream.close()  # the KV cache rolls back; what was shown stays shown, on a line of its own
-            print(flush=True)
+            _emit("\n")
             raise
-        print(flush=True)  # a closed pipe shows here, inside main(), not at interpreter exit
+        _emit("\n")  # a closed pipe shows here, inside main(), not at interpreter exit
         if _context_cut(engine, finish, n, a.max_tokens):
             print(_context_note(engine, n, False), file=sys.stderr)
         print(_stats_line(engine.last_stats), file=sys.stderr)
@@ -551,7 +613,7 @@ def _answer_json(engine, a, load_s: float) -> int:
         print("\nedge-chat: interrupted", file=sys.stderr)
     out = _result_json(r, r.stats)
     out["load_s"] = round(load_s, 2)
-    print(json.dumps(out), flush=True)
+    _emit(json.dumps(out) + "\n")
     return rc
 
 

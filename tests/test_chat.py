@@ -37,11 +37,12 @@ def test_chat_repl_commands(model):
 
 def test_chat_repl_survives_refusals_and_unknown_commands(model):
     """A first question that does not fit the context is refused with what to do in the REPL (no traceback, no
-    stats line for it), a mistyped /command is not sent to the model, and the session goes on."""
+    stats line for it), a mistyped /command is not sent to the model, and the session goes on; piped in, the
+    refusal still makes the exit status 2, as it does for --prompt."""
     long_q = "tell me a long story about rivers and mountains " * 12
     r = run_module(["edge.chat", "--model", model, "--max-tokens", "4", "--context", "40"],
                    stdin=f"{long_q}\n/qiut\nhi\n/quit\n")
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "shorten it, or restart edge-chat with a larger --context (this export holds up to 256)" in r.stderr
     err = next(ln for ln in r.stderr.splitlines() if ln.startswith("error:"))
     assert "Chat(overflow" not in err and "/reset" not in err  # neither helps a question that is too long
@@ -50,7 +51,7 @@ def test_chat_repl_survives_refusals_and_unknown_commands(model):
     # after some turns a question that would fit alone: /reset or --overflow drop_oldest help
     r = run_module(["edge.chat", "--model", model, "--max-tokens", "8", "--context", "64"],
                    stdin="".join(f"tell me about rivers number {i}\n" for i in range(8)) + "/quit\n")
-    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "/reset to start over, or restart edge-chat with --overflow drop_oldest" in r.stderr, r.stderr
 
 
@@ -114,6 +115,42 @@ def test_chat_bad_generation_flags_fail_before_loading(tmp_path, flags, needle):
     assert needle in r.stderr and "no such model directory" not in r.stderr, r.stderr
 
 
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("flags,stdin", [
+    (["--prompt", "hi"], None), (["--prompt", "hi", "--json"], None), ([], "hi\n"), (["--plan"], None),
+])
+def test_chat_output_that_cannot_be_written_is_one_line(model, flags, stdin):
+    """stdout on a full disk (/dev/full): one line naming the problem and exit status 1 in every output mode, not an
+    OSError traceback from the write."""
+    with open("/dev/full", "w") as full:
+        r = subprocess.run([sys.executable, "-m", "edge.chat", "--model", model, "--max-tokens", "4", "--context",
+                            "256", *flags], input=stdin, stdout=full, stderr=subprocess.PIPE, text=True, timeout=240,
+                           env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+    assert "edge-chat: error: cannot write the output: No space left on device\n" in r.stderr, r.stderr
+
+
+def test_chat_piped_session_ctrl_c_ends_it_with_130(model, tmp_path):
+    """SIGINT during a piped session ends it with exit status 130, as it ends --prompt, keeping what was printed
+    (on a line of its own); it used to print "(stopped)" and go on with the next line, then exit 0."""
+    import os
+    import signal
+
+    questions = tmp_path / "questions.txt"
+    questions.write_text("".join(f"tell me about rivers number {i}\n" for i in range(50)))
+    with open(questions) as stdin:
+        p = subprocess.Popen([sys.executable, "-m", "edge.chat", "--model", model, "--max-tokens", "64", "--context",
+                              "256", "--drafter", "none"], stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a shell
+        shown = p.stdout.read(1)  # an answer is under way
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    err = err.decode()
+    assert p.returncode == 130 and "(stopped)" not in err and "Traceback" not in err, err
+    assert (shown + out).endswith(b"\n") and err.count("tok/s decode") < 10, err
+
+
 def test_chat_output_closed_early_is_quiet(model):
     """`edge-chat --prompt ... | head -c 5`: the closed pipe ends the answer without a traceback."""
     p = subprocess.Popen([sys.executable, "-m", "edge.chat", "--model", model, "--prompt", "the quick brown fox",
@@ -137,11 +174,11 @@ def _params_of(*argv) -> dict:
 
 
 def test_flag_defaults_are_the_documented_ones():
-    """The defaults are the ones the help texts promise: 2 threads, 512 tokens, greedy, top-p 1, no top-k, no seed,
-    drafter auto, overflow refuse, no stop strings."""
+    """The defaults are the ones the help texts promise: threads left to the engine (2, or fewer cores), 512 tokens,
+    greedy, top-p 1, no top-k, no seed, drafter auto, overflow refuse, no stop strings, files checked fast."""
     a = _parse()
-    assert (a.threads, a.max_tokens, a.temp, a.top_p, a.top_k, a.seed, a.drafter, a.overflow, a.stop) == \
-        (2, 512, 0.0, 1.0, 0, None, "auto", "refuse", [])
+    assert (a.threads, a.max_tokens, a.temp, a.top_p, a.top_k, a.seed, a.drafter, a.overflow, a.stop, a.verify) == \
+        (None, 512, 0.0, 1.0, 0, None, "auto", "refuse", [], "fast")
 
 
 def test_every_stop_string_and_sampling_flag_reaches_the_engine():
@@ -302,11 +339,33 @@ def test_repl_question_too_long_for_the_whole_export_says_so(monkeypatch, capsys
 
     e = _Engine(max_len=256, raises={"long": ContextFull("too long", n=300, context=256, alone=True),
                                      "mid": ContextFull("too long", n=300, context=128, alone=True)})
-    assert _repl(monkeypatch, e, ["long", "mid", "/quit"]) == 0
+    assert _repl(monkeypatch, e, ["long", "mid", "/quit"]) == 2  # piped in: refused turns make the status 2
     err = capsys.readouterr().err.splitlines()
     first, second = [ln for ln in err if ln.startswith("error:")]
     assert "this export holds no more" in first and "larger --context" not in first, first
     assert "larger --context (this export holds up to 256)" in second, second
+
+
+@pytest.mark.parametrize("end", [["/quit"], []])  # /quit, or the end of input
+def test_repl_piped_refused_turn_makes_the_exit_status_2(monkeypatch, capsys, end):
+    """Piped in, a refused turn is said on stderr and the turns after it are answered, but the session exits 2 (as
+    --prompt does for the same refusal) instead of 0, so a script sees that a question went unanswered."""
+    from edge.engine import ContextFull
+
+    e = _Engine(raises={"long": ContextFull("too long", n=300, context=200, alone=True)})
+    assert _repl(monkeypatch, e, ["hi", "long", "after", *end]) == 2
+    assert [q for q, _ in e.chats[0].sends] == ["hi", "long", "after"]
+    assert capsys.readouterr().out == "ok\nok\n"
+    assert _repl(monkeypatch, _Engine(raises=e.raises), ["hi", *end]) == 0  # all answered
+
+
+def test_repl_on_a_terminal_keeps_exit_status_0_after_a_refusal(monkeypatch):
+    """On a terminal the person saw the refusal and went on: the session's status stays 0."""
+    from edge.engine import ContextFull
+
+    e = _Engine(raises={"long": ContextFull("too long", n=300, context=200, alone=True)})
+    monkeypatch.setattr(cli, "_isatty", lambda stream: True)
+    assert _repl(monkeypatch, e, ["long", "hi", "/quit"], "--no-history", "--color", "never") == 0
 
 
 def test_repl_drop_oldest_refusal_is_the_engines_message(monkeypatch, capsys):
@@ -385,6 +444,39 @@ def test_prompt_sends_the_system_prompt_and_flags(monkeypatch, capsys, json_out)
     assert kw["drafter"] == "lookup"
     out = capsys.readouterr().out
     assert (json.loads(out)["text"] if json_out else out) == ("answer" if json_out else "answer\n")
+
+
+def test_every_engine_flag_reaches_edge_load(monkeypatch):
+    """Each flag of the engine group is passed to edge.load under its own name (edge-serve passes them by name; here
+    they are listed one by one, so a new one could be forgotten)."""
+    import inspect
+
+    import edge
+
+    engine_flags = {a.dest for a in cli._parser()._actions} & set(inspect.signature(edge.load).parameters)
+    seen = {}
+
+    def load(model, **kw):
+        seen.update(kw)
+        return _PromptEngine()
+
+    monkeypatch.setattr(edge, "load", load)
+    assert cli.main(["--model", "x", "--prompt", "hi", "--verify", "sha256", "--threads", "1", "--context", "99"]) == 0
+    assert (seen["verify"], seen["threads"], seen["context"]) == ("sha256", 1, 99)
+    assert engine_flags - {"model"} <= set(seen), engine_flags - set(seen)
+
+
+def test_sampling_flags_without_a_temperature_are_noted(monkeypatch, capsys):
+    """--top-k/--top-p/--seed at --temp 0 (greedy) change nothing: one note says so and how to sample."""
+    import edge
+
+    monkeypatch.setattr(edge, "load", lambda *a, **kw: _PromptEngine())
+    assert cli.main(["--model", "x", "--prompt", "hi", "--top-k", "5", "--seed", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "note: --top-k/--seed only shape sampling" in err and "--temp 0.7" in err
+    assert cli.main(["--model", "x", "--prompt", "hi", "--top-k", "5", "--temp", "0.7"]) == 0
+    assert cli.main(["--model", "x", "--prompt", "hi"]) == 0
+    assert "only shape sampling" not in capsys.readouterr().err
 
 
 def test_a_value_error_while_loading_is_one_line_and_exit_2(monkeypatch, capsys):

@@ -143,6 +143,48 @@ def test_ctrl_c_at_the_prompt_clears_the_line_and_keeps_the_chat(monkeypatch, ca
     assert e.chats[0].sends == ["still here"] and "Ctrl-D or /quit exits" in capsys.readouterr().err
 
 
+def test_an_invalid_byte_in_piped_input_is_replaced_and_every_line_answered(monkeypatch, capsys):
+    """Piped input with one byte that is not UTF-8, under a locale whose stdin decodes strictly (en_US.UTF-8): the
+    byte becomes U+FFFD, as in --prompt's text, and each line is a turn; the UnicodeDecodeError used to end the
+    session before any answer (the decoder reads ahead)."""
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"hello there\nsecond \xff line\nthird line\n"),
+                                                       encoding="utf-8", errors="strict"))
+    e = _Engine()
+    rc = cli._repl(e, cli._parser().parse_args(["--no-history", "--color", "never"]))  # input() reads sys.stdin
+    assert rc == 0 and e.chats[0].sends == ["hello there", "second \ufffd line", "third line"]
+    assert capsys.readouterr().out == "ok\n" * 3
+
+
+class _Interrupted:
+    """An answer stream that shows some text, then meets Ctrl-C."""
+
+    def __iter__(self):
+        yield Chunk("partial", [7], 0)
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_in_an_answer_on_a_terminal_keeps_the_chat(monkeypatch, capsys):
+    e = _Engine()
+    e.chunks = _Interrupted()
+    rc, _ = _repl(monkeypatch, e, ["first", "second", "/quit"], tty=True)
+    out, err = capsys.readouterr()
+    assert rc == 0 and e.chats[0].sends == ["first", "second"] and out == "partial" * 2
+    assert err.count("(stopped)") == 2
+
+
+def test_ctrl_c_in_an_answer_ends_a_piped_session(monkeypatch, capsys):
+    """Piped in, Ctrl-C ends the session (main exits 130), as it ends --prompt, keeping what was shown on a line of
+    its own; it used to say "(stopped)" and go on with the next line."""
+    e = _Engine()
+    e.chunks = _Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        _repl(monkeypatch, e, ["first", "second", "/quit"])
+    out, err = capsys.readouterr()
+    assert e.chats[0].sends == ["first"] and out == "partial\n" and "(stopped)" not in err
+
+
 def test_help_tells_of_blocks():
     assert '"""' in cli.HELP and '"""' in cli._parser().format_help()
 
@@ -277,6 +319,35 @@ def test_plan_is_a_readable_report_with_a_plain_verdict(tiny_dir, capsys):
     assert cli.main(["--model", str(tiny_dir), "--plan", "--context", "128", "--budget-mb", "1"]) == 3
     facts = dict(re.match(r"  (\S.*?)\s{2,}(\S.*)", ln).groups() for ln in capsys.readouterr().out.splitlines()[1:])
     assert facts["verdict"] == "does not fit" and "raise --budget-mb" in facts["why"]
+
+
+def test_plan_says_it_is_for_the_full_context_and_what_a_chat_starts_with(tiny_dir, capsys, monkeypatch):
+    """--plan plans for a full context, where drafting may not pay; a run re-plans each request for the context it
+    can reach, so a first question may run another plan (SmolLM2 at --budget-mb 400: plain decoding in the report,
+    hybrid in the run). The report says which context it is for, and what a short first question gets."""
+    import edge.planning
+
+    real, seen = edge.planning.plan_report, []
+
+    def plan_report(*args, at=None, **kw):  # the plan at a chat's start drafts, as SmolLM2's does
+        seen.append(at)
+        rep = real(*args, at=at, **kw)
+        if at is not None:
+            rep["plan"].update(drafter="hybrid", tree="chain", nodes=1, speedup=1.14)
+        return rep
+
+    monkeypatch.setattr(edge.planning, "plan_report", plan_report)
+    assert cli.main(["--model", str(tiny_dir), "--plan", "--context", "128", "--budget-mb", "4096",
+                     "--max-tokens", "16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("memory plan at the full 128-token context"), lines[0]
+    facts = dict(re.match(r"  (\S.*?)\s{2,}(\S.*)", ln).groups() for ln in lines[1:])
+    assert facts["plan"] == "plain decoding (no drafts), with the context full", facts
+    assert facts["at a chat's start"].startswith("hybrid, a chain of up to 1 draft tokens a call, 1.14x plain "
+                                                 "decoding (a short first question with --max-tokens 16"), facts
+    assert seen == [None, 16] and facts["verdict"].startswith("fits")
+    assert cli.main(["--model", str(tiny_dir), "--plan", "--json", "--context", "128"]) == 0
+    assert seen == [None, 16, None]  # the JSON report is as it was: the full context's
 
 
 # ----------------------------------------------------------------------------- end to end on the tiny export
