@@ -376,7 +376,8 @@ def reexport_command(model_dir: str | os.PathLike, source: str | None = None) ->
             return "edge-export --default --force"
     except ImportError:  # pragma: no cover - edge imported partially
         pass
-    return f"edge-export {source or 'CHECKPOINT'} -o {model_dir}"
+    force = " --force" if (model_dir / MANIFEST_NAME).exists() else ""  # edge-export replaces an export only then
+    return f"edge-export {source or 'CHECKPOINT'} -o {model_dir}{force}"
 
 
 VERIFY_LEVELS = ("none", "size", "fast", "sha256")
@@ -397,7 +398,9 @@ def load_manifest(model_dir: str | os.PathLike, verify: str = "size") -> Manifes
     model_dir = Path(model_dir)
     path = model_dir / MANIFEST_NAME
     if model_dir.exists() and not model_dir.is_dir():
-        raise ModelDirError(f"{model_dir} is a file, not a model directory (give the folder edge-export wrote)")
+        fix = (f"export it first: edge-export {model_dir} -o DIR, then pass DIR" if model_dir.suffix.lower() == ".gguf"
+               else "give the folder edge-export wrote")
+        raise ModelDirError(f"{model_dir} is a file, not a model directory ({fix})")
     if not model_dir.is_dir():
         raise ModelDirError(f"{model_dir}: no such model directory (export one with: edge-export CHECKPOINT -o {model_dir})")
     if not path.is_file() and _looks_like_checkpoint(model_dir):

@@ -451,7 +451,7 @@ def warn_int8_gemm(path: str, graph: GraphEntry, providers=("CPUExecutionProvide
         return False
     warnings.warn(f"{path}: this w8a8 export stores int8 weights, whose products this CPU's ONNX Runtime adds in "
                   "saturating 16-bit pairs (x86 without VNNI): its logits can be several units off the model's. "
-                  "Re-export it on this machine (edge-export SOURCE -o DIR; the embedded default: edge-export "
+                  "Re-export it on this machine (edge-export SOURCE -o DIR --force; the embedded default: edge-export "
                   "--default --force), which stores uint8 weights that are exact here", RuntimeWarning, stacklevel=3)
     return True
 

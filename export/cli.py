@@ -9,11 +9,11 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from edge.args import add_version, non_negative_int, positive_int
-from edge.manifest import ModelDirError, load_manifest
+from edge.args import add_version, non_negative_int, plain_warnings, positive_int
+from edge.manifest import MANIFEST_NAME, ModelDirError, load_manifest
 
 from . import catalog
-from .checkpoint import CheckpointError
+from .checkpoint import GGUF_ARCHITECTURES, SUPPORTED_ARCHITECTURES, CheckpointError
 from .graph import GRAPH_VERSION, HEAD_RESCORE, KV_CACHES, PRECISIONS, W8A8_KERNELS
 from .pipeline import (AUTO_PRECISIONS, DEFAULT_DRAFTER, DEFAULT_KV_CACHE, DEFAULT_PRECISION, FALLBACK_PRECISION,
                        FIDELITY_FLOOR, HEAD_DRAFTER_VOCAB, PAD_ROWS, ExportOptions, export_lock, export_model,
@@ -55,6 +55,22 @@ def export_named(model: catalog.Model, progress: bool = True, force: bool = Fals
         return export_model(src, out, opts, progress=progress, cache_dir=True, lock=False)
 
 
+def refuse_existing_export(out: Path) -> None:
+    """-o OUT replaces an export already there only with --force: say what OUT holds (from its manifest, read
+    without checks: a damaged one is still someone's export) and how to replace it."""
+    path = out / MANIFEST_NAME
+    if not path.is_file():
+        return  # new, empty, or not an export at all (export.pipeline.check_output_dir refuses that)
+    try:
+        raw = json.loads(path.read_text())
+        name, src = raw.get("name"), (raw.get("source") or {}).get("path")
+        what = ", ".join(filter(None, (name and str(name), src and f"from {src}")))
+    except (OSError, ValueError, AttributeError):
+        what = ""
+    raise ValueError(f"{out} already holds an edgespec export{f' ({what})' if what else ''}; pass --force to "
+                     "replace it, or choose another -o")
+
+
 def layer_count(text: str) -> int | None:
     """argparse type for --drafter-layers: a positive number of layers, or `none` (no early-exit drafter)."""
     if text.lower() == "none":
@@ -88,7 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                          "it, into the cache directory beside the default's; reuses a verified previous export. "
                          "edge-chat, edge-serve and edge.load take the same names and run this on first use")
     ap.add_argument("--force", action="store_true",
-                    help="with --default or --model: rebuild even if the cache is up to date")
+                    help="replace an edgespec export already in -o OUT (a directory holding anything else is "
+                         "never replaced); with --default or --model and no -o: rebuild even if the cache is up to "
+                         "date")
     ap.add_argument("--precision", choices=("auto",) + PRECISIONS, default=None,
                     help=f"weight precision (default {DEFAULT_PRECISION}; int4 --via optimum): auto = build "
                          f"{' and '.join(AUTO_PRECISIONS)} targets on this machine, measure each one's parity against "
@@ -161,9 +179,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--calib-tokens", type=positive_int, default=64,
                     help="tokens the target generates per calibration prompt for vocabulary ranking (default 64)")
     ap.add_argument("--via", choices=["builder", "optimum"], default="builder",
-                    help="builder (default): edgespec's own fast, tree-capable graph for llama/Mistral/Qwen2 "
-                         "checkpoints and GGUFs; optimum: Hugging Face optimum's export for other decoder-only "
-                         "architectures (GPT-2, Phi-3, Gemma, ...; needs pip install 'edgespec[optimum]'): "
+                    help=f"builder (default): edgespec's own fast, tree-capable graph for "
+                         f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} checkpoints and "
+                         f"{', '.join(sorted(GGUF_ARCHITECTURES))} GGUFs; optimum: Hugging Face optimum's export for other "
+                         "decoder-only architectures (GPT-2, Phi-3, ...; needs pip install 'edgespec[optimum]'): "
                          "chain speculation (lookup, recycling, hybrid), no trees, no early-exit drafter")
     ap.add_argument("--no-parity", action="store_true", help="skip the parity report against the fp32 reference")
     ap.add_argument("--threads", type=positive_int, default=2, help="threads for export-time measurements (default 2)")
@@ -196,6 +215,7 @@ def _summary(m) -> dict:
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
+    plain_warnings("edge-export")
     if a.drafter_layers and None in a.drafter_layers:
         if len(a.drafter_layers) > 1:
             _parser().error("--drafter-layers none means no early-exit drafter: give it alone, or only layer counts")
@@ -214,9 +234,8 @@ def main(argv=None) -> int:
     flag = "--default" if a.default else "--model"
     if named and a.source:
         _parser().error(f"{flag} exports the GGUF of its package: drop SOURCE (or {flag})")
-    if a.force and (not named or a.out):
-        _parser().error("--force is for --default or --model into the cache directory (an export with -o OUT always "
-                        "rebuilds)")
+    if not named and not (a.source and a.out):
+        _parser().error("give SOURCE and -o OUT (or --default, or --model NAME)")
     if a.drafter_checkpoint and a.via == "optimum":
         _parser().error("--drafter-checkpoint needs edgespec's own graph builder (--via builder)")
     if named and a.via == "optimum":
@@ -237,6 +256,8 @@ def main(argv=None) -> int:
                              calib_new_tokens=a.calib_tokens, parity=not a.no_parity, threads=a.threads,
                              w8a8_kernel=None if a.w8a8_kernel == "auto" else a.w8a8_kernel,
                              pad_row=a.pad_row, **({"kv_cache": a.kv_cache} if a.kv_cache else {}))
+        if a.out and not a.force:
+            refuse_existing_export(Path(os.path.abspath(a.out)))
         if named and a.out:  # a named model exported elsewhere (another precision, say)
             m = export_model(named.gguf_path(), Path(a.out), ExportOptions(**{**asdict(opts), "name": named.title}),
                              progress=not a.quiet)
@@ -244,8 +265,6 @@ def main(argv=None) -> int:
             m = export_named(named, progress=not a.quiet, force=a.force,
                              opts=ExportOptions(**{**asdict(opts), "name": named.title}))
         else:
-            if not a.source or not a.out:
-                _parser().error("give SOURCE and -o OUT (or --default, or --model NAME)")
             m = export_model(Path(a.source), Path(a.out), opts, progress=not a.quiet, via=a.via)
     except (CheckpointError, ModelDirError, ValueError) as e:
         print(f"edge-export: error: {e}", file=sys.stderr)

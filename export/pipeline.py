@@ -152,13 +152,21 @@ class ExportOptions:
                             pad_query=self.pad_row != "off")
 
 
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without it, or closed
+        return False
+
+
 class _Steps:
-    """One progress bar over the export's named steps (tqdm when available and wanted)."""
+    """One progress bar over the export's named steps (tqdm when available, wanted and stderr is a terminal), else
+    one plain line per step: a bar's carriage-return frames would fill a redirected log."""
 
     def __init__(self, total: int, enabled: bool):
         self.total, self.finished = total, 0
         self.bar = None
-        if enabled:
+        if enabled and _is_terminal(sys.stderr):
             try:
                 from tqdm import tqdm
 
@@ -330,6 +338,9 @@ def export_lock(out_dir: str | os.PathLike, wait: bool = False, notify=None):
         try:  # never through a symlink, never anything but a regular file
             fd = os.open(lock, os.O_RDONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
         except OSError as e:
+            if not os.path.lexists(lock):  # nothing there to delete: the directory refuses new files
+                raise ValueError(f"cannot write in {lock.parent}, the output directory's parent ({e.strerror or e}); "
+                                 "choose an output directory in a writable location") from None
             raise ValueError(f"cannot open the export lock {lock} ({e.strerror or e}); if no edge-export is running, "
                              "delete it") from None
         try:

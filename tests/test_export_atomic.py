@@ -194,10 +194,10 @@ CLI_ARGS = ["--precision", "fp32", "--drafter-layers", "1", "--drafter-vocab", "
             "--max-len", "256", "-q"]
 
 
-def start_cli(src, out):
+def start_cli(src, out, *extra):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-m", "export.cli", str(src), "-o", str(out), *CLI_ARGS], cwd=REPO,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-m", "export.cli", str(src), "-o", str(out), *CLI_ARGS, *extra],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
 def kill_midway(proc, out, marker: str = "tokenizer.json", timeout: float = 60):
@@ -237,7 +237,7 @@ def test_sigkill_during_reexport_keeps_old(exported_llama, tiny_llama_dir, tmp_p
     d, old = exported_llama
     out = tmp_path / "m"
     shutil.copytree(d, out)
-    kill_midway(start_cli(tiny_llama_dir, out), out, marker="target/model.onnx")
+    kill_midway(start_cli(tiny_llama_dir, out, "--force"), out, marker="target/model.onnx")
     assert load_manifest(out, verify="sha256") == old
 
 
@@ -256,13 +256,15 @@ def test_second_export_into_the_same_directory_is_refused_while_one_runs(tiny_ll
 
 
 def test_two_exports_started_together_never_clash(tiny_llama_dir, tmp_path):
-    """Two `edge-export SRC -o OUT` at once (two terminals): one builds OUT, the other either finds it busy and says
-    so, or runs after it; never a half-deleted work directory or an `[Errno 17] File exists`."""
+    """Two `edge-export SRC -o OUT` at once (two terminals): one builds OUT, the other either finds it busy or
+    already built and says so, or runs after it; never a half-deleted work directory or an `[Errno 17] File
+    exists`."""
     out = tmp_path / "m"
     procs = [start_cli(tiny_llama_dir, out) for _ in range(2)]
     errs = [p.communicate(timeout=240)[1] for p in procs]
     for p, err in zip(procs, errs):
-        assert p.returncode == 0 or (p.returncode == 2 and "another edge-export is writing" in err), err
+        assert p.returncode == 0 or (p.returncode == 2 and ("another edge-export is writing" in err
+                                                            or "already holds an edgespec export" in err)), err
     assert any(p.returncode == 0 for p in procs)
     load_manifest(out, verify="sha256")
     assert siblings(out) == ["m"]
@@ -368,6 +370,37 @@ def test_lock_never_touches_other_files_beside_out(tmp_path):
     with pytest.raises(ValueError, match="is not a directory"):
         with pipeline.export_lock(tmp_path / "uv.lock" / "m"):
             pass
+
+
+def test_an_output_location_that_cannot_be_written_is_named_not_its_lock(tiny_llama_dir, tmp_path, monkeypatch,
+                                                                          run_export_cli):
+    """A parent directory that takes no new files (a read-only mount, /proc) was reported as a lock to delete that
+    did not exist; now the directory and the OS reason are named. The lock advice stays for a lock that is there."""
+    import errno
+    import re
+
+    real = os.open
+
+    def read_only(path, *a, **k):
+        if str(path).endswith(".edge-export.lock"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(ValueError, match=rf"^cannot write in {re.escape(str(tmp_path))}, the output directory's parent \(Read-only "
+                                         r"file system\); choose an output directory in a writable location$"):
+        with pipeline.export_lock(tmp_path / "m"):
+            pass
+    pipeline.lock_path(tmp_path / "m").write_text("")  # a lock file that is there but cannot be opened
+    with pytest.raises(ValueError, match="cannot open the export lock .*delete it"):
+        with pipeline.export_lock(tmp_path / "m"):
+            pass
+    monkeypatch.undo()
+    if os.path.isdir("/proc/self"):  # the audit's case: a real directory that refuses new files
+        r = run_export_cli(tiny_llama_dir, "-o", "/proc/edgespec-export-test", "-q")
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.strip() == ("edge-export: error: cannot write in /proc, the output directory's parent (No such "
+                                    "file or directory); choose an output directory in a writable location"), r.stderr
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise is Linux's")

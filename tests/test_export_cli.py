@@ -15,12 +15,14 @@ from export.pipeline import export_model
 
 
 PROGRESS = re.compile(r"\d+/\d+ \[")  # tqdm's bar ("loading checkpoint:   0%|   | 0/8 [00:00<?, ?step/s]")
+STEP = "[export] "  # a step's plain line, in place of the bar when stderr is not a terminal
 
 
 def expect_one_line_error(r, *needles: str) -> str:
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "Traceback" not in r.stderr, r.stderr
-    lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip() and not PROGRESS.search(ln)]
+    lines = [ln for ln in r.stderr.strip().splitlines()
+             if ln.strip() and not PROGRESS.search(ln) and not ln.startswith(STEP)]
     assert len(lines) == 1, r.stderr
     assert lines[0].startswith("edge-export: error: "), lines[0]
     for n in needles:
@@ -226,18 +228,103 @@ def test_reexport_replaces_an_earlier_export(tiny_llama_dir, tmp_path):
     assert not (tmp_path / "m.old").exists() and not (tmp_path / "m.partial").exists()
 
 
-def test_default_does_not_take_a_source_and_force_needs_default(run_export_cli, tiny_llama_dir, tmp_path):
-    for args, needle in (([tiny_llama_dir, "--default"], "--default"),
-                         (["--default", "-o", tmp_path / "x", "--force"], "--force"),
-                         ([tiny_llama_dir, "-o", tmp_path / "x", "--force"], "--force")):
-        r = run_export_cli(*args)
-        assert r.returncode == 2 and "Traceback" not in r.stderr and needle in r.stderr, r.stderr
-    assert not (tmp_path / "x").exists()
+def test_default_does_not_take_a_source(run_export_cli, tiny_llama_dir):
+    r = run_export_cli(tiny_llama_dir, "--default")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--default" in r.stderr, r.stderr
+
+
+def test_an_export_already_in_out_is_replaced_only_with_force(capsys, tiny_llama_dir, tmp_path, monkeypatch):
+    """`-o DIR` holding an earlier export once replaced it silently (exit 0) while any other non-empty DIR was
+    refused; now it is refused in one line naming what DIR holds and --force, which replaces it. The same for a
+    named model exported with -o (the embedded GGUF stood in for by the tiny checkpoint)."""
+    from edge.manifest import MANIFEST_NAME, load_manifest
+    from export import catalog
+
+    out = tmp_path / "m"
+    export_model(tiny_llama_dir, out, tiny_export_options(name="earlier", drafters=(), parity=False), progress=False)
+    before = (out / MANIFEST_NAME).read_bytes()
+    expect_one_line_error(run_main(capsys, tiny_llama_dir, "-o", out, *FAST), str(out),
+                          "already holds an edgespec export", "earlier", str(tiny_llama_dir), "--force")
+    monkeypatch.setattr(catalog.Model, "gguf_path", lambda self: tiny_llama_dir)
+    expect_one_line_error(run_main(capsys, "--default", "-o", out, *FAST), "already holds", "--force")
+    assert (out / MANIFEST_NAME).read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    r = run_main(capsys, tiny_llama_dir, "-o", out, *FAST, "--force")
+    assert r.returncode == 0, r.stderr
+    m = load_manifest(out, verify="sha256")
+    assert m.name != "earlier" and [g.name for g in m.drafters] == ["drafter-l1-v64"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
 
 def test_help_runs(run_export_cli):
     r = run_export_cli("--help")
     assert r.returncode == 0 and "edge-export" in r.stdout and "--drafter-vocab" in r.stdout
+
+
+def test_help_names_what_the_builder_supports_and_force_covers_out(capsys):
+    """--via's help once listed llama/Mistral/Qwen2 and sent Gemma to optimum after the builder learned Gemma 3; it
+    is now made from the builder's own tables."""
+    from export.checkpoint import GGUF_ARCHITECTURES, SUPPORTED_ARCHITECTURES
+
+    r = run_main(capsys, "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    via = text[text.index("builder (default): "):text.index("--no-parity ")]
+    builder, optimum = via.split("; optimum:")
+    for arch in (*SUPPORTED_ARCHITECTURES, *GGUF_ARCHITECTURES):
+        assert arch in builder, (arch, builder)
+    assert "Gemma" not in optimum, optimum
+    force = text[text.index("--force replace"):text.index("--precision {", text.index("--force replace"))]
+    assert "-o OUT" in force, force
+
+
+def test_progress_is_plain_lines_when_stderr_is_not_a_terminal(run_export_cli, tiny_llama_dir, tmp_path):
+    """A redirected log once filled with the bar's carriage-return frames, and the error line was appended to the
+    last one; now each step is a plain line and the error stands on its own."""
+    d = copy_without(tiny_llama_dir, tmp_path / "notok", "tokenizer.json")
+    r = run_export_cli(d, "-o", tmp_path / "out")  # no -q; stderr is a pipe
+    assert "\r" not in r.stderr and not PROGRESS.search(r.stderr), repr(r.stderr)
+    lines = r.stderr.strip().split("\n")
+    assert lines[0] == "[export] loading checkpoint …" and all(ln.startswith(STEP) for ln in lines[:-1]), lines
+    assert lines[-1].startswith("edge-export: error: ") and "tokenizer.json" in lines[-1], lines
+
+
+def test_progress_bar_on_a_terminal_is_cleared_before_the_error(tiny_llama_dir, tmp_path):
+    """On a terminal the bar is drawn, and cleared before the error line, which starts its own cleared line."""
+    pytest.importorskip("tqdm")
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    from conftest import REPO
+
+    d = copy_without(tiny_llama_dir, tmp_path / "notok", "tokenizer.json")
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a width for the bar to fill
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    p = subprocess.Popen([sys.executable, "-m", "export.cli", str(d), "-o", str(tmp_path / "out")], cwd=REPO,
+                         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert p.wait(timeout=120) == 2
+    err = b"".join(chunks).decode()
+    assert PROGRESS.search(err) and "[export]" not in err, repr(err)
+    before, error = err.split("edge-export: error: ")
+    *_, bar, cleared = re.split(r"[\r\n]", before)
+    assert cleared == "" and bar.strip() == "", repr(err)  # the last frame blanked, the cursor back at column 0
+    assert "tokenizer.json" in error and "\n" not in error.strip(), repr(err)
 
 
 def test_max_len_below_latency_probe(tiny_llama_dir, tmp_path, monkeypatch):

@@ -199,6 +199,10 @@ def test_a_file_given_as_the_model_dir_says_so(tmp_path):
     f.write_bytes(b"x")
     with pytest.raises(ModelDirError, match="is a file, not a model directory"):
         load_manifest(f)
+    g = tmp_path / "model.Q4_1.gguf"  # a GGUF: the fix is to export it
+    g.write_bytes(b"GGUF")
+    with pytest.raises(ModelDirError, match=r"export it first: edge-export .*model.Q4_1.gguf -o DIR"):
+        load_manifest(g)
 
 
 def test_reexport_command_names_the_recorded_source_checkpoint(model_copy):
