@@ -23,6 +23,8 @@ def default_model_dir() -> Path:
 def unwritable_dir(d: Path) -> str | None:
     """Why files cannot be created in directory `d` (made if missing), or None. Probed by creating a temporary
     file: os.access says yes to root on a read-only mount and to many network file systems that then refuse."""
+    if d.exists() and not d.is_dir():
+        return f"{d} is a file, not a directory"
     try:
         d.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=d):

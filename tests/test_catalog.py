@@ -142,7 +142,6 @@ def test_a_named_model_is_built_by_a_child_export(tmp_path, monkeypatch, home, c
 def test_edge_export_model_flag_is_checked_before_any_work(run_export_cli, tiny_llama_dir, tmp_path):
     for args, needle in ((["--model", "gemma3-270m", tiny_llama_dir], "drop SOURCE"),
                          (["--default", "--model", "gemma3-270m"], "--default is --model smollm2-135m"),
-                         (["--model", "gemma3-270m", "-o", tmp_path / "x", "--force"], "--force"),
                          (["--model", "gemma3-270m", "--via", "optimum"], "own graph builder"),
                          (["--model", "gemma-3"], "invalid choice")):
         r = run_export_cli(*args)

@@ -12,6 +12,9 @@ def test_output_checks_probe_the_file_system(tmp_path, monkeypatch):
 
     assert unwritable(tmp_path / "new" / "o.json") is None and (tmp_path / "new").is_dir()
     assert "is a directory" in unwritable(tmp_path)
+    (tmp_path / "f").write_text("x")  # a file where a directory is wanted: said so, not "File exists"
+    assert unwritable_dir(tmp_path / "f") == f"{tmp_path / 'f'} is a file, not a directory"
+    assert unwritable(tmp_path / "f" / "o.json") == f"{tmp_path / 'f'} is a file, not a directory"
 
     def read_only(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")

@@ -15,6 +15,7 @@ import edge
 from edge import EngineError
 from edge.engine import ContextFull
 from edge.text import StreamDecoder, TextCodec
+from edge.output import AnswerText
 
 FUZZ = settings(max_examples=150, deadline=None, database=None)
 PROMPT = "def add(a, b):"
@@ -196,6 +197,25 @@ def deltas(codec, ids, cuts, bytewise: bool = True) -> list[str]:
         prev = c
     out.append(dec.flush())
     return out
+
+
+@pytest.mark.parametrize("bytewise", [True, False])
+@pytest.mark.parametrize("stop", [(), ("zz",)])
+def test_an_answer_cut_inside_a_character_ends_before_it(engine, bytewise, stop):
+    """max_tokens reached inside a character's bytes: the answer's text ends with the last whole character, not
+    a U+FFFD (as llama.cpp's server does); its ids still hold every token generated."""
+    codec = copy.copy(engine.codec)
+    codec._byte_level = bytewise
+    ids = codec.encode("ab😀日")
+    cut_inside = 0
+    for n in range(1, len(ids) + 1):
+        out = AnswerText(codec, set(), n, stop)
+        ch = out.push(list(ids), 0, False)
+        full = codec.decode(ids[:n])
+        cut_inside += full.endswith("\ufffd")
+        assert ch.finish_reason == "length" and out.ids == ids[:n]
+        assert ch.text == full.rstrip("\ufffd") and "\ufffd" not in ch.text, (n, ch.text)
+    assert cut_inside  # the tokenizer splits these characters' bytes, so some cut lands inside one
 
 
 MULTIBYTE = st.text(alphabet=st.sampled_from(list("aé😀日本語ß€\u0301🏳️‍🌈👍🏽 \n")), min_size=1, max_size=24)
@@ -394,7 +414,7 @@ def test_refused_chat_turn_leaves_the_history_as_it_was(engine, kw):
 
 
 @pytest.mark.parametrize("kw,match", [(dict(threads=0), "threads"), (dict(threads="2"), "threads"),
-                                      (dict(threads=None), "threads"),
+                                      (dict(threads=1.5), "threads"),
                                       (dict(context=0), "context"), (dict(context=-5), "context"),
                                       (dict(context=10**6), "exported for"), (dict(verify="bogus"), "verify")])
 def test_bad_load_arguments_are_refused(tiny_dir, kw, match):
@@ -472,6 +492,14 @@ def test_openai_message_shapes_are_taken(engine):
         engine.encode([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
     with pytest.raises(EngineError, match="role 'wizard'"):
         engine.encode([{"role": "wizard", "content": "x"}])
+    # an assistant turn that only called tools has content null, and a history resent from such a chat is taken
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    assert engine.encode([{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": calls},
+                          {"role": "user", "content": "b"}]) == \
+        engine.encode([{"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
+                       {"role": "user", "content": "b"}])
+    with pytest.raises(EngineError, match="content must be"):
+        engine.encode([{"role": "user", "content": None}])
 
 
 def test_stop_string_ids_do_not_depend_on_the_drafter(tiny_dir):

@@ -139,6 +139,9 @@ def test_default_model_names_its_own_rebuild_command(tmp_path, monkeypatch):
     monkeypatch.setenv("EDGESPEC_HOME", str(tmp_path))
     assert reexport_command(edge.default_model_dir()) == "edge-export --default --force"
     assert reexport_command(tmp_path / "m", "/src/ck") == f"edge-export /src/ck -o {tmp_path / 'm'}"
+    (tmp_path / "m").mkdir()  # an export still there (damaged, or from another host): edge-export needs --force
+    (tmp_path / "m" / "edge_model.json").write_text("{}")
+    assert reexport_command(tmp_path / "m", "/src/ck") == f"edge-export /src/ck -o {tmp_path / 'm'} --force"
 
 
 def test_unwritable_cache_is_one_clear_error_before_any_export(tmp_path, monkeypatch):

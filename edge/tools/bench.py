@@ -38,7 +38,8 @@ import time
 from functools import partial
 from pathlib import Path
 
-from ..args import add_model_arg, add_version, int_at_least, non_negative_int, positive_int, was_interrupted
+from ..args import (add_model_arg, add_version, int_at_least, non_negative_int, plain_warnings, positive_int,
+                    was_interrupted)
 from ..engine import ContextFull, EngineError
 from ..files import unwritable, write_atomic
 from ..measure import peak_rss_mb, reset_peak_rss
@@ -54,8 +55,9 @@ DEFAULT_PROMPTS = Path(__file__).resolve().with_name("prompts.jsonl")
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     """The prompt file, model and thread flags edge-bench and edge-profile share."""
     ap.add_argument("prompts", nargs="?", default=str(DEFAULT_PROMPTS), metavar="PROMPTS",
-                    help="JSONL file of {id, category, turns: [...]} (default: the 9 prompts shipped with edgespec, "
-                         "3 each of code, math and qa; ../shared/workloads/public.jsonl has all six categories)")
+                    help="JSONL file, one prompt per line: {\"id\": ..., \"category\": ..., \"turns\": [\"...\"]} "
+                         "(category optional: results are grouped by it, under \"?\" without one; default: the 9 "
+                         "prompts shipped with edgespec, 3 each of code, math and qa)")
     add_model_arg(ap)
     ap.add_argument("--threads", type=positive_int, default=2, help="CPU threads for ONNX Runtime (default 2)")
 
@@ -94,7 +96,8 @@ def _parser() -> argparse.ArgumentParser:
                          "statistics, as in a new process (the verify-latency measurements carry over) — instead of "
                          "what the earlier prompts taught (a long-running assistant)")
     ap.add_argument("--peer-model", metavar="[LABEL=]DIR", action="append",
-                    help="an onnxruntime-genai model folder (its builder's output, ../shared/peers/README.md): time "
+                    help="an onnxruntime-genai model folder (what `python -m onnxruntime_genai.models.builder -i "
+                         "HF_DIR -o DIR -p int4 -e cpu` writes): time "
                          "it on the same prompts and token ids, greedy only, in the same rotation; repeat the flag "
                          "or give a comma list for several (modes genai-LABEL, LABEL defaulting to the folder's name)")
     ap.add_argument("--peer-python", metavar="PATH",
@@ -135,7 +138,8 @@ def read_workload(path: str | Path) -> list[dict]:
     of string "turns" and an optional string "category"; a bad line raises ValueError naming the file and line."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"prompt file {p} not found; pass a JSONL file of "
+        what = "is a folder, not a prompt file" if p.is_dir() else "not found"
+        raise FileNotFoundError(f"prompt file {p} {what}; pass a JSONL file of "
                                 '{"id": ..., "category": ..., "turns": ["..."]} as the first argument')
     items, seen = [], {}
     for n, raw in enumerate(p.read_bytes().splitlines(), 1):
@@ -514,6 +518,7 @@ def markdown(summary: dict, modes: list[str], peer: dict | None = None) -> str:
 
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
+    plain_warnings("edge-bench")
     try:
         return _main(a)
     except (KeyboardInterrupt, ImportError) as e:  # Ctrl-C while loading or warming up; _bench catches later ones
@@ -749,7 +754,7 @@ def _bench(a, engine, items: list[dict], modes: list[str], peers: dict | None, o
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=total, desc="edge-bench", file=sys.stderr)
+            bar = tqdm(total=total, desc="edge-bench", file=sys.stderr, disable=None)  # None: a terminal only
         except ImportError:
             pass
     learned: dict[str, tuple[float, float]] = {}  # label -> (accepted, tested) over every speculative run

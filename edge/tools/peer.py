@@ -49,7 +49,8 @@ def model_dir_problem(model_dir: str) -> str | None:
     """Why `model_dir` cannot be a peer model folder, found before a worker starts (its first complaint would be
     whatever fails first there, e.g. a missing onnxruntime_genai); None when it is a folder."""
     p = Path(model_dir)
-    fix = "pass the folder onnxruntime-genai's model builder wrote (../shared/peers/README.md)"
+    fix = ("pass the folder onnxruntime-genai's model builder wrote (python -m onnxruntime_genai.models.builder -i "
+           "HF_DIR -o DIR -p int4 -e cpu)")
     if not p.exists():
         return f"no such folder, so onnxruntime-genai cannot load it; {fix}"
     if not p.is_dir():

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from .bench import add_workload_args, read_workload
 from .memprobe import in_fresh_process
-from ..args import add_version, int_at_least, non_negative_int, positive_float, positive_int
+from ..args import add_version, int_at_least, non_negative_int, plain_warnings, positive_float, positive_int
 from ..drafters import DRAFTER_KINDS
 from ..engine import MAX_DRAFT_LEN
 from ..measure import call_latency
@@ -159,7 +159,7 @@ class _Progress:
         if not quiet:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc="edge-profile", file=sys.stderr, unit="run")
+            self.bar = tqdm(total=total, desc="edge-profile", file=sys.stderr, unit="run", disable=None)  # a terminal
 
     def step(self, what: str, n: int = 1):
         if self.bar:
@@ -388,6 +388,7 @@ def write_plots(out: Path, doc: dict) -> list[str]:
 # ---------------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     a = _parser().parse_args(argv)
+    plain_warnings("edge-profile")
     steps = [s.strip() for s in a.steps.split(",") if s.strip()]
     bad = sorted(set(steps) - set(STEPS) - set(EXTRA_STEPS))
     if bad or not steps:
