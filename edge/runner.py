@@ -470,12 +470,10 @@ def probe_min_call(session) -> int:
     return 1 if np.array_equal(one, two) else 2
 
 
-def one_row_exact(session, contexts=(2, 40, 300), widths=(2, 3, 5, 8)) -> bool:
-    """Does a 1-token call compute, bit for bit, what the same token gets as the first row of wider calls, after
-    prefixes of several lengths? True only if the load-time probe found no padding needed (min_call 1). The
-    exporter asks it of a graph without the pad query row: where it holds on this host, the row is not needed."""
-    if session.min_call != 1:
-        return False
+def decode_steps_exact(session, contexts=(2, 40, 300), widths=(2, 3, 5, 8)) -> bool:
+    """Does a decode step (a 1-token call, padded to `session.min_call` rows as the runtime pads it) compute, bit for
+    bit, what the same token gets as the first row of wider calls, after prefixes of several lengths? The exporter
+    asks it of a graph without the pad query row: where it holds on this host, the row is not needed."""
     for n in contexts:
         if n + max(widths) > session.cache.capacity:
             continue

@@ -794,9 +794,20 @@ def _target_candidate(ck: Checkpoint, opts: ExportOptions, part: Path, max_len: 
                                           calib)
             _remove_graph(probe)
         pad = opts.pad_row != "off"
-        if opts.pad_row == "auto":  # without the row first: kept where a lone row computes what wider calls do
+        if opts.pad_row == "auto":
+            # without the row first: left out where a decode step, as the runtime runs it, computes what wider
+            # calls do. Where the runtime pads decode steps to 2 rows anyway (a kernel outside attention, such as
+            # MatMulNBits' on AVX2 without VNNI, computes a lone row another way), the row is kept only if it
+            # makes a lone row exact: otherwise it would cost every call an attention row and buy nothing
             save_model(build_graph(ck, replace(gopts, pad_query=False), kv_scales=kv_scales), str(probe))
-            pad = not _one_row_exact(probe, c, gopts, max_len, opts.threads)
+            exact, min_call = _decode_steps_exact(probe, c, gopts, max_len, opts.threads)
+            pad = not exact
+            if exact and min_call > 1:
+                save_model(build_graph(ck, replace(gopts, pad_query=True), kv_scales=kv_scales), str(path))
+                padded, padded_min_call = _decode_steps_exact(path, c, gopts, max_len, opts.threads)
+                pad = padded and padded_min_call == 1
+                if not pad:
+                    _remove_graph(path)
             if not pad:
                 for f in (probe, probe.with_name(probe.name + ".data")):
                     shutil.move(str(f), str(d / f.name))
@@ -830,12 +841,13 @@ def _session(path: Path, c, gopts: GraphOptions, max_len: int, threads: int, cap
     return GraphSession(str(path), probe, entry, capacity=capacity, threads=threads)
 
 
-def _one_row_exact(path: Path, c, gopts: GraphOptions, max_len: int, threads: int) -> bool:
-    """The runtime's own session over the graph at `path`: does a 1-token call equal the same token in wider calls
-    (edge.runner.one_row_exact)?"""
-    from edge.runner import one_row_exact
+def _decode_steps_exact(path: Path, c, gopts: GraphOptions, max_len: int, threads: int) -> tuple[bool, int]:
+    """The runtime's own session over the graph at `path`: does a decode step equal the same token in wider calls
+    (edge.runner.decode_steps_exact), and how many rows does the runtime give a decode step (its min_call probe)?"""
+    from edge.runner import decode_steps_exact
 
-    return one_row_exact(_session(path, c, gopts, max_len, threads, capacity=min(max_len, 512)))
+    sess = _session(path, c, gopts, max_len, threads, capacity=min(max_len, 512))
+    return decode_steps_exact(sess), sess.min_call
 
 
 def _greedy(sess, ids: list[int], n: int, stop: tuple[int, ...] = ()) -> tuple[list[int], np.ndarray]:

@@ -254,7 +254,7 @@ class SharedKV:
         self.ort = ort
         self.sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
         self.inputs = {i.name for i in self.sess.get_inputs()}
-        self.layers = layers
+        self.path, self.layers, self.kv_heads, self.head_dim, self.capacity = path, layers, kv_heads, head_dim, capacity
         kv_type = {i.name: i.type for i in self.sess.get_inputs()}["past_key_values.0.key"]
         dtype = {"tensor(int8)": np.int8, "tensor(float16)": np.float16}.get(kv_type, np.float32)
         # + 1: the graph's pad query row writes one K/V slot past the call's tokens (export/graph.py)
@@ -281,6 +281,39 @@ class SharedKV:
                 b.bind_ortvalue_output(f"present.{i}.{kind}", self._vals[2 * i + j])
         self.sess.run_with_iobinding(b)
         return b.copy_outputs_to_cpu()[0][0]
+
+    def min_call(self) -> int:
+        """The runtime's load-time probe (edge.runner.probe_min_call), run on this graph in a session of its own:
+        1 where a lone row equals the same row inside a 2-row call on this host, else 2 (the runtime then pads
+        every 1-token call to 2 rows). A property of the host, recorded, never assumed."""
+        from edge.runner import probe_min_call
+
+        return probe_min_call(_Probed(SharedKV(self.path, self.layers, self.kv_heads, self.head_dim,
+                                               self.capacity)))
+
+    def step(self, token: int, n: int, min_call: int) -> np.ndarray:
+        """Logits [1, V] of `token` after `n` cached tokens, as the runtime computes a decode step: a 1-row call, or
+        with min_call 2 the first row of [token, pad] (causal: the pad row changes nothing the first row sees)."""
+        if min_call == 1:
+            return self.run([token], [n], causal(1, n)).copy()
+        return self.run([token, token], [n, n + 1], causal(2, n))[:1].copy()
+
+
+class _Probed:
+    """SharedKV behind the session interface edge.runner's probes use (forward, cache.append/trim/length)."""
+
+    def __init__(self, sk: SharedKV):
+        self.sk, self.cache, self.length, self.capacity = sk, self, 0, sk.capacity
+
+    def append(self, n: int, ids=None) -> None:
+        self.length += n
+
+    def trim(self, n: int) -> None:
+        self.length -= n
+
+    def forward(self, ids, keep: int = 0) -> np.ndarray:
+        n = len(ids)
+        return self.sk.run(ids, np.arange(self.length, self.length + n), causal(n, self.length), keep=keep)
 
 
 def causal(s: int, past: int) -> np.ndarray:

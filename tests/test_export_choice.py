@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 from conftest import MAX_LEN, VOCAB, tiny_export_options
@@ -113,24 +114,24 @@ def test_auto_export_falls_back_to_int8_when_no_candidate_is_faithful(tmp_path, 
 
 
 def test_the_pad_row_choice_agrees_with_what_the_graph_computes(auto_export, shared_kv, tiny_llama):
-    """Whether or not the export left the pad row out on this host, the graph it kept computes a lone row bit for
-    bit as wider calls do (the export's probe saw exactly that; without the row where it was needed, this fails)."""
+    """Whether or not the export left the pad row out on this host, the graph it kept computes a decode step bit for
+    bit as wider calls do: a 1-token call, or 2 rows where the runtime's probe finds a lone row computed another
+    way (the export's probe saw exactly that; without the row where it was needed, this fails). The manifest
+    records the runtime's probe for the graph it kept."""
     from conftest import causal
 
     d, m = auto_export
     c = tiny_llama.config
     prompt = np.random.default_rng(4).integers(0, VOCAB, 29)
-
-    def lone_equals_wide(path) -> bool:
-        s = shared_kv(path, c.layers, c.kv_heads, c.head_dim, MAX_LEN)
-        n = len(prompt)
-        s.run(prompt, np.arange(n), causal(n, 0), keep=1)
-        one = s.run([9], [n], causal(1, n)).copy()
-        return all(np.array_equal(one, s.run([9] + [4] * (w - 1), np.arange(n, n + w), causal(w, n))[:1])
-                   for w in (2, 3, 5, 8))
-
-    # with or without the row, the graph the export kept computes a lone row as wider calls do
-    assert lone_equals_wide(d / m.target.file)
+    s = shared_kv(d / m.target.file, c.layers, c.kv_heads, c.head_dim, MAX_LEN)
+    min_call = s.min_call()
+    if "min_call" in m.parity:  # recorded when the export timed the graph (a tiny one may be too short for that)
+        assert m.parity["min_call"] == min_call
+    n = len(prompt)
+    s.run(prompt, np.arange(n), causal(n, 0), keep=1)
+    one = s.step(9, n, min_call)
+    for w in (2, 3, 5, 8):
+        assert np.array_equal(one, s.run([9] + [4] * (w - 1), np.arange(n, n + w), causal(w, n))[:1])
 
 
 def test_auto_export_is_lossless_through_the_engine(auto_export):
@@ -155,3 +156,32 @@ def test_the_cli_says_what_it_chose_and_why():
     assert "w8a8 top-1 0.879, 145.0 tok/s expected (below the floor)" in line
     assert "int4 top-1 0.957, 142.8 tok/s expected;" in line
     assert choice_line({}) is None  # exports made before the choice existed
+
+
+@pytest.mark.parametrize("unpadded,padded,want_row", [
+    ((True, 1), None, False),  # a lone row is exact without the row: no row
+    ((False, 1), None, True),  # the lone row needs the row (attention's single-query path differs)
+    ((True, 2), (True, 2), False),  # the runtime pads decode steps either way: the row would buy nothing
+    ((True, 2), (True, 1), True),  # the row makes a lone row exact, which is cheaper than a padded step
+    ((True, 2), (False, 1), False),  # the padded graph is no better: the exact unpadded one is kept
+])
+def test_the_pad_row_is_kept_only_where_it_buys_an_exact_lone_row(tmp_path, tiny_llama_dir, monkeypatch, unpadded,
+                                                                    padded, want_row):
+    """The exporter's rule, over the probes it reads (stood in for here; what they read is tested above): left out
+    where a decode step is exact without it, at whatever width the runtime gives a decode step."""
+    from export.pipeline import export_model
+
+    seen = []
+
+    def probe(path, *a):
+        seen.append(path)
+        return unpadded if len(seen) == 1 else padded
+
+    monkeypatch.setattr(pipeline, "_decode_steps_exact", probe)
+    m = export_model(tiny_llama_dir, tmp_path / "m", tiny_export_options(precision="int4", pad_row="auto",
+                                                                        drafters=()), progress=False)
+    assert m.choice["pad_row"] is want_row
+    assert len(seen) == (1 if padded is None else 2)
+    # the graph kept is the one the choice names (the pad row is sliced off after each attention)
+    kept = onnx.load(str(tmp_path / "m" / m.target.file), load_external_data=False)
+    assert any(n.name.endswith("attn_unpad") for n in kept.graph.node) is want_row

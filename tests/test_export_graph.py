@@ -395,14 +395,22 @@ def int4_graphs(tiny_llama, tmp_path_factory):
     return padded_and_unpadded(tiny_llama, tmp_path_factory, "int4")
 
 
-def alone_and_in_calls(ck, path, shared_kv, prompt, token, widths=(2, 3, 5)):
-    """Logits of `token` after `prompt` in a 1-token call, and as the first row of calls of other widths."""
+def alone_and_in_calls(ck, path, shared_kv, prompt, token, widths=(2, 3, 5), min_call: int = 1):
+    """Logits of `token` after `prompt` in a 1-token call (padded to `min_call` rows as the runtime pads a decode
+    step), and as the first row of calls of other widths."""
     s = session(ck, path, shared_kv)
     n = len(prompt)
     s.run(prompt, np.arange(n), causal(n, 0), keep=1)
-    alone = s.run([token], [n], causal(1, n)).copy()
+    alone = s.step(token, n, min_call)
     inside = [s.run([token] + [5] * (w - 1), np.arange(n, n + w), causal(w, n))[:1].copy() for w in widths]
     return alone, inside
+
+
+def decode_steps_and_in_calls(ck, path, shared_kv, prompt, token, widths=(2, 3, 5)):
+    """`alone_and_in_calls` as the runtime decodes on this host: the 1-token call padded where the runtime's probe
+    says so. Where the probe finds no padding needed, the lone row is checked as it is."""
+    min_call = session(ck, path, shared_kv).min_call()
+    return alone_and_in_calls(ck, path, shared_kv, prompt, token, widths, min_call)
 
 
 @pytest.fixture(scope="module")
@@ -413,11 +421,13 @@ def w8a8_graphs(tiny_llama, tmp_path_factory):
 
 
 def test_padded_graph_logits_do_not_depend_on_call_length(tiny_llama, w8a8_graphs, shared_kv):
-    """With int8 activations, the pad query row makes a 1-token call bit-identical to the same token inside any
-    wider call: plain decoding needs no runtime padding and stays exactly what verification computes."""
+    """With int8 activations and the pad query row, a decode step is bit-identical to the same token inside any
+    wider call, so plain decoding stays exactly what verification computes. The step is a 1-token call, or 2 rows
+    where the runtime's probe finds a lone row computed another way on this host (the two-stage head's
+    MatMulNBits on AVX2 without VNNI)."""
     prompt = np.random.default_rng(3).integers(0, VOCAB, 37)
     for token in (11, 200, 301):
-        alone, inside = alone_and_in_calls(tiny_llama, w8a8_graphs[True], shared_kv, prompt, token)
+        alone, inside = decode_steps_and_in_calls(tiny_llama, w8a8_graphs[True], shared_kv, prompt, token)
         for got in inside:
             assert np.array_equal(alone, got)
 
@@ -503,12 +513,12 @@ def test_graph_session_warns_for_int8_weights_on_a_saturating_host(monkeypatch, 
 
 def test_w8a8_graph_logits_do_not_depend_on_call_length(tiny_llama, tmp_path, shared_kv):
     """w8a8 (per-row int8 activations, integer accumulation) with the pad query row: a token's logits are
-    bit-identical alone and inside calls of 2 to 16 rows."""
+    bit-identical in a decode step (padded where the runtime's probe says so) and inside calls of 2 to 16 rows."""
     p = tmp_path / "model.onnx"
     save_model(build_graph(tiny_llama, GraphOptions(precision="w8a8", max_len=MAX_LEN)), str(p))
     prompt = np.random.default_rng(5).integers(0, VOCAB, 41)
     for token in (7, 123):
-        alone, inside = alone_and_in_calls(tiny_llama, p, shared_kv, prompt, token, widths=(2, 3, 5, 8, 16))
+        alone, inside = decode_steps_and_in_calls(tiny_llama, p, shared_kv, prompt, token, widths=(2, 3, 5, 8, 16))
         for got in inside:
             assert np.array_equal(alone, got)
 
@@ -520,10 +530,14 @@ def test_pad_query_row_changes_nothing_else(tiny_llama, int4_graphs, shared_kv):
     np.testing.assert_array_equal(got[True], got[False])
 
 
-def test_runtime_probe_needs_no_padding_for_padded_graphs(exported_llama):
+def test_runtime_probe_agrees_with_a_direct_check_on_the_export(exported_llama, shared_kv, tiny_llama):
+    """The engine's min_call on the session export is what a lone row computes here, checked without edge/."""
     d, m = exported_llama
     gs = GraphSession(str(d / m.target.file), m, m.target, capacity=MAX_LEN)
-    assert gs.min_call == 1
+    s = session(tiny_llama, d / m.target.file, shared_kv)
+    s.run([1, 2], np.arange(2), causal(2, 0), keep=1)
+    lone_equals_wide = np.array_equal(s.run([3], [2], causal(1, 2)), s.run([3, 0], [2, 3], causal(2, 2))[:1])
+    assert gs.min_call == (1 if lone_equals_wide else 2)
 
 
 def test_call_that_fills_the_cache_exactly(graph_session, tiny_llama):

@@ -95,18 +95,22 @@ def test_rescored_logits_are_closer_to_the_float_model(models, shared_kv, tmp_pa
 
 
 def test_rescored_rows_do_not_depend_on_the_call(models, shared_kv, tmp_path):
-    """A token's logits are the same alone (after the prompt), inside a longer call, and with fewer rows kept."""
+    """A token's logits are the same in a decode step (after the prompt), inside a longer call, and with fewer rows
+    kept. One row kept is a 1-row head call: equal too where the runtime's probe finds a lone row computed as wider
+    calls compute it (elsewhere only a prompt's last row is kept alone, which plain and speculative decoding
+    prefill alike)."""
     ck = models["gemma3"]
     p = graph_file(ck, tmp_path, "g", precision="int8", pad_query=True)
     ids = np.random.default_rng(4).integers(0, VOCAB, 20)
     whole = logits(ck, p, shared_kv, ids)
-    for keep in (1, 3, 7):
-        np.testing.assert_array_equal(logits(ck, p, shared_kv, ids, keep=keep), whole[-keep:])
     c = ck.config
     s = shared_kv(p, c.layers, c.kv_heads, c.head_dim, MAX_LEN)
+    min_call = s.min_call()  # 2 where this host's MatMulNBits computes a lone row another way: the runtime pads
+    for keep in (1, 3, 7) if min_call == 1 else (2, 3, 7):
+        np.testing.assert_array_equal(logits(ck, p, shared_kv, ids, keep=keep), whole[-keep:])
     s.run(ids[:15], np.arange(15), causal(15, 0), keep=1)
     for i in range(15, 20):  # one token a call, as plain decoding
-        np.testing.assert_array_equal(s.run(ids[i:i + 1], np.array([i]), causal(1, i), keep=1)[0], whole[i])
+        np.testing.assert_array_equal(s.step(ids[i], i, min_call)[0], whole[i])
 
 
 def test_footprint_predicts_the_two_stage_head_to_the_byte(models):
