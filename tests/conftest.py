@@ -288,7 +288,7 @@ class SharedKV:
         every 1-token call to 2 rows). A property of the host, recorded, never assumed."""
         from edge.runner import probe_min_call
 
-        return probe_min_call(_Probed(SharedKV(self.path, self.layers, self.kv_heads, self.head_dim,
+        return probe_min_call(SessionView(SharedKV(self.path, self.layers, self.kv_heads, self.head_dim,
                                                self.capacity)))
 
     def step(self, token: int, n: int, min_call: int) -> np.ndarray:
@@ -299,11 +299,12 @@ class SharedKV:
         return self.run([token, token], [n, n + 1], causal(2, n))[:1].copy()
 
 
-class _Probed:
-    """SharedKV behind the session interface edge.runner's probes use (forward, cache.append/trim/length)."""
+class SessionView:
+    """SharedKV behind the session interface edge.runner's probes and `logits_alone_and_together` use (forward,
+    cache.append/trim/length); a call narrower than `min_call` is a decode step as the runtime makes it."""
 
-    def __init__(self, sk: SharedKV):
-        self.sk, self.cache, self.length, self.capacity = sk, self, 0, sk.capacity
+    def __init__(self, sk: SharedKV, min_call: int = 1):
+        self.sk, self.min_call, self.cache, self.length, self.capacity = sk, min_call, self, 0, sk.capacity
 
     def append(self, n: int, ids=None) -> None:
         self.length += n
@@ -313,6 +314,8 @@ class _Probed:
 
     def forward(self, ids, keep: int = 0) -> np.ndarray:
         n = len(ids)
+        if n < self.min_call:
+            return self.sk.step(ids[0], self.length, self.min_call)
         return self.sk.run(ids, np.arange(self.length, self.length + n), causal(n, self.length), keep=keep)
 
 

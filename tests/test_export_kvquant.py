@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from onnx import AttributeProto, TensorProto
 
-from conftest import MAX_LEN, VOCAB, causal, logits_alone_and_together, tiny_export_options
+from conftest import MAX_LEN, VOCAB, SessionView, causal, logits_alone_and_together, tiny_export_options
 from edge.manifest import DEQUANTIZE_PAST
 from export import kvquant
 from export.evaluate import GraphRunner
@@ -162,33 +162,16 @@ def test_the_cache_holds_each_values_own_rounding(tiny_llama, kv_graphs, shared_
 @pytest.mark.parametrize("precision", ["fp32", "w8a8", "int4"])
 def test_int8_cache_logits_do_not_depend_on_the_call(tiny_llama, kv_graphs, shared_kv, precision):
     """Lossless speculation with a quantized cache: a token's logits in a decode step (padded where the runtime's
-    probe says so) equal its logits inside a verify call (bit for bit), and a prompt prefilled in one call or in chunks leaves the same cache and the same logits."""
+    probe says so) equal its logits inside a verify call (bit for bit), and a prompt prefilled in one call or in
+    chunks leaves the same cache and the same logits."""
     c = tiny_llama.config
     path = kv_graphs[(precision, "int8")]
     s = shared_kv(path, c.layers, c.kv_heads, c.head_dim, MAX_LEN)
     rng = np.random.default_rng(11)
     prompt, seq = rng.integers(0, VOCAB, 40), rng.integers(0, VOCAB, 8)
 
-    class Adapter:  # logits_alone_and_together's session interface over SharedKV
-        def __init__(self, sk):
-            self.sk, self.cache = sk, self
-
-        length = 0
-
-        def trim(self, n):
-            self.length -= n
-
-        def append(self, n):
-            self.length += n
-
-        def forward(self, ids, keep=0):
-            n = len(ids)
-            if n < min_call:  # a decode step as the runtime makes it on this host
-                return self.sk.step(ids[0], self.length, min_call)
-            return self.sk.run(ids, np.arange(self.length, self.length + n), causal(n, self.length), keep=keep)
-
-    min_call = s.min_call()
-    alone, together = logits_alone_and_together(Adapter(s), list(prompt), list(seq))
+    min_call = s.min_call()  # 2 where the runtime pads a decode step on this host
+    alone, together = logits_alone_and_together(SessionView(s, min_call), list(prompt), list(seq))
     assert np.array_equal(alone, together)
     whole = s.run(prompt, np.arange(40), causal(40, 0)).copy()
     cache_whole = s.kv[:, :, :, :, :40].copy()
